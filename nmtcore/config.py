@@ -1,0 +1,402 @@
+"""Typed, frozen, validated experiment configuration.
+
+Every knob of an experiment lives in one of five frozen dataclasses (data, model, train, decode and
+the experiment that holds them). They are built from nested dicts, YAML files or flat dotted keys
+(``"train.lr": 1e-3``), the form search spaces and the CLI use. An unknown key or an out-of-range
+value raises :class:`ConfigError` with a one-line message naming the key, so a typo can never train
+silently with a default.
+
+The ``model`` section is polymorphic: ``model.name`` picks the config class from the explicit model
+registry (:mod:`nmtcore.models`), so a BERT-fused run validates BERT-fused fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, mistyped or out of range (message names the key)."""
+
+
+def check(cond: bool, key: str, msg: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``key`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def check_unit_interval(value: float, key: str) -> None:
+    check(0.0 <= value <= 1.0, key, f"must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the parallel text comes from and how it is cut into batches.
+
+    A corpus is a directory of ``{split}.{lang}`` files (plain or ``.gz``). ``multi30k`` is found under
+    ``data_dir/multi30k`` or downloaded (checksum-verified) into the cache; ``parallel`` reads
+    ``data_dir`` as given. ``data_dir`` falls back to ``$NMTCORE_DATA``.
+    """
+
+    corpus: str = "multi30k"
+    data_dir: str = ""
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train_split: str = "train"
+    valid_split: str = "val"
+    test_splits: tuple[str, ...] = ("test_2016_flickr",)
+    vocab_size: int = 8000
+    # Moses clean-corpus-n semantics, applied to the training split only (counted in subwords):
+    # drop pairs with a side shorter than min_len or longer than max_len, or with a length ratio
+    # above max_len_ratio.
+    min_len: int = 1
+    max_len: int = 250
+    max_len_ratio: float = 9.0
+    max_tokens: int = 4096  # per batch, counting the longer side x sentences (padding included)
+    max_sentences: int = 0  # 0 = no cap
+    cache_dir: str = ""  # "" = $NMTCORE_CACHE or ~/.cache/nmtcore
+    download: bool = True
+
+    def __post_init__(self) -> None:
+        check(bool(self.corpus), "data.corpus", "must not be empty")
+        check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
+        check(self.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {self.vocab_size}")
+        check(self.min_len >= 0, "data.min_len", "must be >= 0")
+        check(self.max_len >= max(1, self.min_len), "data.max_len", "must be >= max(1, data.min_len)")
+        check(self.max_len_ratio >= 1.0, "data.max_len_ratio", "must be >= 1")
+        check(self.max_tokens > 0, "data.max_tokens", "must be > 0")
+        check(self.max_sentences >= 0, "data.max_sentences", "must be >= 0")
+
+    def resolved_data_dir(self) -> Path | None:
+        d = self.data_dir or os.environ.get("NMTCORE_DATA", "")
+        return Path(d).expanduser().resolve() if d else None
+
+    def resolved_cache_dir(self) -> Path:
+        d = self.cache_dir or os.environ.get("NMTCORE_CACHE", "") or "~/.cache/nmtcore"
+        return Path(d).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer hyper-parameters; every model family's config extends this one."""
+
+    name: str = "transformer"
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_model: int = 512
+    ffn_dim: int = 2048
+    heads: int = 8
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: str = "relu"
+    pre_norm: bool = False
+    share_embeddings: bool = True
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        for key in ("encoder_layers", "decoder_layers", "d_model", "ffn_dim", "heads", "max_positions"):
+            check(getattr(self, key) > 0, f"model.{key}", f"must be > 0, got {getattr(self, key)}")
+        check(self.d_model % self.heads == 0, "model.heads",
+              f"must divide model.d_model ({self.d_model} % {self.heads} != 0)")
+        check(self.d_model % 2 == 0, "model.d_model", "must be even (sinusoidal positions)")
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            check_unit_interval(getattr(self, key), f"model.{key}")
+            check(getattr(self, key) < 1.0, f"model.{key}", "must be < 1")
+        check(self.activation in ("relu", "gelu"), "model.activation",
+              f"must be 'relu' or 'gelu', got {self.activation!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, checkpointing and stopping. fairseq semantics for the LR schedule."""
+
+    lr: float = 5e-4
+    warmup_updates: int = 4000
+    warmup_init_lr: float = 1e-7
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 = no clipping
+    update_freq: int = 1  # gradient accumulation steps per update
+    max_epochs: int = 10
+    max_updates: int = 0  # 0 = no limit
+    patience: int = 0  # early stopping on validation loss; 0 = off
+    seed: int = 1
+    precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    keep_last: int = 3  # epoch checkpoints kept on disk
+    average_last: int = 0  # average the last K epoch checkpoints at the end; 0 = off
+    valid_bleu: bool = True  # greedy-decode the validation set each epoch for BLEU
+    log_interval: int = 50
+    save_dir: str = ""  # "" = <experiment.output_dir>/checkpoints
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        check(self.warmup_updates >= 0, "train.warmup_updates", "must be >= 0")
+        check(0 <= self.warmup_init_lr <= self.lr, "train.warmup_init_lr", "must be in [0, train.lr]")
+        check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+              f"must be two numbers in [0, 1), got {self.adam_betas}")
+        check(self.adam_eps > 0, "train.adam_eps", "must be > 0")
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        check(0 <= self.label_smoothing < 1, "train.label_smoothing", "must be in [0, 1)")
+        check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
+        check(self.update_freq >= 1, "train.update_freq", "must be >= 1")
+        check(self.max_epochs >= 1, "train.max_epochs", "must be >= 1")
+        check(self.max_updates >= 0, "train.max_updates", "must be >= 0")
+        check(self.patience >= 0, "train.patience", "must be >= 0")
+        check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
+              f"must be auto, fp32 or bf16, got {self.precision!r}")
+        check(self.num_threads >= 0, "train.num_threads", "must be >= 0")
+        check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
+        check(0 <= self.average_last <= self.keep_last, "train.average_last",
+              "must be in [0, train.keep_last]")
+        check(self.log_interval >= 1, "train.log_interval", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Beam search (fairseq length-penalty semantics: score / length ** lenpen)."""
+
+    beam: int = 5
+    lenpen: float = 1.0
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    min_len: int = 1
+    nbest: int = 1
+    max_sentences: int = 128
+    precision: str = "auto"
+
+    def __post_init__(self) -> None:
+        check(self.beam >= 1, "decode.beam", f"must be >= 1, got {self.beam}")
+        check(1 <= self.nbest <= self.beam, "decode.nbest", "must be in [1, decode.beam]")
+        check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
+              "max_len_a must be >= 0 and max_len_b >= 1")
+        check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        check(self.max_sentences >= 1, "decode.max_sentences", "must be >= 1")
+        check(self.precision in ("auto", "fp32", "bf16"), "decode.precision",
+              f"must be auto, fp32 or bf16, got {self.precision!r}")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One experiment: what to train on, which model, how to train and decode, where to write."""
+
+    name: str = "nmtcore"
+    output_dir: str = "runs/nmtcore"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.name), "name", "must not be empty")
+        check(bool(self.output_dir), "output_dir", "must not be empty")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExperimentConfig":
+        """Build from a nested dict; unknown keys raise."""
+        return _build(cls, d, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ExperimentConfig":
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Flat dotted view (``{"train.lr": 5e-4, ...}``), as logged to MLflow and used by sweeps."""
+        return flatten(self.to_dict())
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "ExperimentConfig":
+        """Return a copy with flat dotted keys replaced; values may be strings (parsed as YAML)."""
+        d = self.to_dict()
+        # A model.name change re-types the whole model section: start from the new class's defaults.
+        if "model.name" in overrides and overrides["model.name"] != d["model"]["name"]:
+            d["model"] = {"name": _parse_scalar(overrides["model.name"])}
+        for key, value in overrides.items():
+            parts = key.split(".")
+            node = d
+            for i, p in enumerate(parts[:-1]):
+                if not isinstance(node.get(p), dict):
+                    raise ConfigError(f"{key}: unknown key ({'.'.join(parts[: i + 1])} is not a section)")
+                node = node[p]
+            if parts[-1] not in node:
+                raise ConfigError(f"{key}: unknown key")
+            node[parts[-1]] = _parse_scalar(value)
+        return ExperimentConfig.from_dict(d)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.lr=1e-3", ...]`` → ``{"train.lr": "1e-3"}`` (values parsed later, against field types)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{item}: expected key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+# ---------------------------------------------------------------------- presets
+PRESETS: dict[str, dict[str, Any]] = {
+    # The papers' IWSLT'14 setting (transformer_iwslt_de_en): 6+6, d 512, FFN 1024, 4 heads, dropout 0.3.
+    "transformer_iwslt_de_en": {
+        "name": "transformer_iwslt_de_en",
+        "data": {"corpus": "iwslt14", "src_lang": "de", "tgt_lang": "en", "valid_split": "valid",
+                 "test_splits": ["test"], "vocab_size": 10000},
+        "model": {"name": "transformer", "encoder_layers": 6, "decoder_layers": 6, "d_model": 512,
+                  "ffn_dim": 1024, "heads": 4, "dropout": 0.3},
+        "train": {"lr": 5e-4, "warmup_updates": 4000, "max_epochs": 50, "patience": 10},
+    },
+    # CPU-sized Multi30k En→De; the same model fairseq is benchmarked with (../shared/bench).
+    "multi30k_small": {
+        "name": "multi30k_small",
+        "data": {"corpus": "multi30k", "src_lang": "en", "tgt_lang": "de", "vocab_size": 8000,
+                 "max_tokens": 4096},
+        "model": {"name": "transformer", "encoder_layers": 3, "decoder_layers": 3, "d_model": 256,
+                  "ffn_dim": 1024, "heads": 4, "dropout": 0.1},
+        "train": {"lr": 1e-3, "warmup_updates": 400, "max_epochs": 10},
+    },
+}
+
+
+def preset(name: str) -> ExperimentConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return ExperimentConfig.from_dict(PRESETS[name])
+
+
+# ---------------------------------------------------------------------- internals
+def _model_config_class(name: str, key: str) -> type[ModelConfig]:
+    from nmtcore.models import MODEL_REGISTRY  # the registry imports config; import lazily
+
+    if name not in MODEL_REGISTRY:
+        raise ConfigError(f"{key}: unknown model {name!r} (registered: {', '.join(sorted(MODEL_REGISTRY))})")
+    return MODEL_REGISTRY[name][0]
+
+
+def _build(cls: type, d: Any, prefix: str) -> Any:
+    if isinstance(d, cls):
+        return d
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(d).__name__}")
+    if cls is ModelConfig:
+        cls = _model_config_class(str(d.get("name", "transformer")), f"{prefix}name")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for k, v in d.items():
+        if k not in fields:
+            raise ConfigError(f"{prefix}{k}: unknown key")
+        kwargs[k] = _coerce(v, hints[k], f"{prefix}{k}")
+    return cls(**kwargs)
+
+
+def _parse_scalar(v: Any) -> Any:
+    if isinstance(v, str):
+        try:
+            return yaml.safe_load(v) if v.strip() else v
+        except yaml.YAMLError:
+            return v
+    return v
+
+
+def _coerce(v: Any, tp: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, v, key + ".")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(v, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {tp}, got {v!r}")
+    if origin is tuple:
+        if isinstance(v, str):
+            v = [s for s in v.split(",") if s] if "," in v or v else []
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {v!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(x, args[0], key) for x in v)
+        if len(v) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
+        return tuple(_coerce(x, a, key) for x, a in zip(v, args))
+    if tp is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ConfigError(f"{key}: expected true/false, got {v!r}")
+    if tp is int:
+        if isinstance(v, bool):
+            raise ConfigError(f"{key}: expected an integer, got {v!r}")
+        if isinstance(v, int):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, str):
+            try:
+                return int(v)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {v!r}")
+    if tp is float:
+        if isinstance(v, bool):
+            raise ConfigError(f"{key}: expected a number, got {v!r}")
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {v!r}")
+    if tp is str:
+        if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+            return str(v)
+        raise ConfigError(f"{key}: expected a string, got {v!r}")
+    return v
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    return obj

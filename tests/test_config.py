@@ -1,0 +1,84 @@
+import dataclasses
+
+import pytest
+
+from nmtcore.config import ConfigError, ExperimentConfig, PRESETS, parse_overrides, preset
+
+
+def test_presets_build_and_carry_the_papers_settings():
+    iwslt = preset("transformer_iwslt_de_en")
+    assert (iwslt.model.encoder_layers, iwslt.model.decoder_layers, iwslt.model.d_model) == (6, 6, 512)
+    assert (iwslt.model.ffn_dim, iwslt.model.heads, iwslt.model.dropout) == (1024, 4, 0.3)
+    small = preset("multi30k_small")
+    assert (small.model.encoder_layers, small.model.d_model, small.model.ffn_dim, small.model.heads) == (3, 256, 1024, 4)
+    assert small.data.vocab_size == 8000 and small.data.corpus == "multi30k"
+    assert set(PRESETS) == {"transformer_iwslt_de_en", "multi30k_small"}
+
+
+@pytest.mark.parametrize("d, key", [
+    ({"train": {"lrr": 1}}, "train.lrr: unknown key"),
+    ({"modle": {}}, "modle: unknown key"),
+    ({"model": {"name": "transformer", "dropuot": 0.1}}, "model.dropuot: unknown key"),
+])
+def test_unknown_nested_keys_raise_naming_the_key(d, key):
+    with pytest.raises(ConfigError) as e:
+        ExperimentConfig.from_dict(d)
+    assert str(e.value).startswith(key) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"model.dropout": 1.5}, "model.dropout"),
+    ({"model.heads": 3}, "model.heads"),
+    ({"train.lr": -1}, "train.lr"),
+    ({"train.lr": "abc"}, "train.lr"),
+    ({"train.label_smoothing": 1.0}, "train.label_smoothing"),
+    ({"data.max_tokens": 0}, "data.max_tokens"),
+    ({"decode.nbest": 9}, "decode.nbest"),
+    ({"train.precision": "fp8"}, "train.precision"),
+    ({"data.tgt_lang": "en"}, "data.tgt_lang"),
+    ({"train.max_epochs": 2.5}, "train.max_epochs"),
+    ({"train.lr_typo": 1}, "train.lr_typo"),
+    ({"model.name": "no_such_model"}, "model.name"),
+])
+def test_out_of_range_and_mistyped_values_name_their_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        preset("multi30k_small").with_overrides(override)
+    assert str(e.value).split(":")[0] == key, str(e.value)
+
+
+def test_heads_must_divide_d_model_message():
+    with pytest.raises(ConfigError, match=r"model.heads: must divide model.d_model \(256 % 3 != 0\)"):
+        preset("multi30k_small").with_overrides({"model.heads": 3})
+
+
+def test_dotted_string_overrides_are_parsed_against_field_types():
+    cfg = preset("multi30k_small").with_overrides(parse_overrides(
+        ["train.lr=1e-3", "model.pre_norm=true", "data.test_splits=test_2016_flickr,test_2017_flickr",
+         "train.adam_betas=[0.9, 0.997]", "decode.beam=4"]))
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.model.pre_norm is True
+    assert cfg.data.test_splits == ("test_2016_flickr", "test_2017_flickr")
+    assert cfg.train.adam_betas == (0.9, 0.997)
+    assert cfg.decode.beam == 4
+
+
+def test_yaml_round_trip_and_flat_view(tmp_path):
+    cfg = preset("multi30k_small").with_overrides({"train.seed": 7})
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert ExperimentConfig.from_yaml(path) == cfg
+    flat = cfg.flat()
+    assert flat["train.seed"] == 7 and flat["model.d_model"] == 256 and "data.vocab_size" in flat
+
+
+def test_configs_are_frozen():
+    cfg = preset("multi30k_small")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_overrides(["train.lr"])
+    with pytest.raises(ConfigError, match="train.lr.x: unknown key"):
+        preset("multi30k_small").with_overrides({"train.lr.x": 1})
