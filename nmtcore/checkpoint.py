@@ -1,0 +1,131 @@
+"""Checkpoint files: atomic writes, checksum-verified safe loads, averaging.
+
+A checkpoint is one ``torch.save`` file holding only tensors and plain containers (so it loads with
+``torch.load(weights_only=True)``: no arbitrary pickle), plus a ``.sha256`` sidecar written after it.
+A write goes to a temporary file in the same directory, is fsync'ed, then renamed into place, and the
+sidecar is renamed last: a killed writer leaves either the previous pair or an orphan temp file, never
+a file that verifies. Loading refuses a file whose checksum does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename (never a half-written ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> Path:
+    """Atomically save ``payload`` to ``path`` and its checksum to ``path.sha256``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = sha256_file(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    return path
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_checkpoint`, verifying its checksum first."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    sidecar = path.with_name(path.name + ".sha256")
+    if not sidecar.is_file():
+        raise CheckpointError(f"{path}: no checksum file {sidecar.name} (incomplete write?)")
+    expected = sidecar.read_text().split()[0] if sidecar.read_text().strip() else ""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CheckpointError(f"{path}: checksum mismatch (corrupt or partially written checkpoint)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # weights_only refuses anything but tensors and plain containers
+        raise CheckpointError(f"{path}: cannot load safely: {str(e).splitlines()[0]}") from e
+
+
+def epoch_checkpoints(save_dir: Path) -> list[Path]:
+    """Epoch checkpoints with a checksum sidecar, oldest first."""
+    found = []
+    for p in Path(save_dir).glob("epoch*.pt"):
+        m = re.fullmatch(r"epoch(\d+)\.pt", p.name)
+        if m and p.with_name(p.name + ".sha256").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def remove_checkpoint(path: Path) -> None:
+    path.with_name(path.name + ".sha256").unlink(missing_ok=True)  # sidecar first: never a verifiable orphan
+    path.unlink(missing_ok=True)
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of the model weights of ``paths`` (floating tensors; others from the last)."""
+    if not paths:
+        raise CheckpointError("average_checkpoints: no checkpoints given")
+    states = [load_checkpoint(p)["model"] for p in paths]
+    keys = set(states[0])
+    for p, s in zip(paths, states):
+        if set(s) != keys:
+            raise CheckpointError(f"{p}: parameter names differ from {paths[0]}; cannot average")
+    out = {}
+    for k in states[-1]:
+        if states[-1][k].is_floating_point():
+            out[k] = torch.stack([s[k].double() for s in states]).mean(0).to(states[-1][k].dtype)
+        else:
+            out[k] = states[-1][k]
+    return out
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``state`` into ``model`` strictly, with a one-line error naming the first mismatch."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: parameter names do not match the model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise CheckpointError(f"{source}: {k} has shape {tuple(v.shape)}, model expects "
+                                  f"{tuple(own[k].shape)} (different vocabulary or dimensions?)")
+    model.load_state_dict(state)

@@ -1,0 +1,120 @@
+"""The interface every nmtcore model implements, and the typed decoder state beam search drives.
+
+A model is a ``torch.nn.Module`` with three methods:
+
+- ``encode(batch) -> EncoderOut``: runs everything on the source side once.
+- ``decode_step(prev_tokens, enc_out, state) -> logits``: one incremental decoder step for
+  ``prev_tokens`` (B, 1), reading and growing ``state`` in place; returns (B, V) log-space logits.
+- ``forward(batch) -> ModelOutput``: teacher-forced logits (B, T, V) plus named extras (e.g. the
+  hidden state a KD loss needs). Losses live outside the model.
+
+Beam search only ever touches ``EncoderOut.reorder`` / ``DecoderState.reorder``: a model family adds
+its own cached tensors (BERT keys/values, gates...) by storing them in these containers, never by
+changing the search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch
+
+
+@dataclass
+class EncoderOut:
+    """Source-side results shared by all decoding steps.
+
+    ``out``: (B, S, C) top encoder states; ``mask``: (B, S) True = padding. ``extras`` holds any other
+    per-sentence tensors a model family needs (batch dimension first), e.g. BERT states.
+    """
+
+    out: Tensor
+    mask: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def reorder(self, index: Tensor) -> "EncoderOut":
+        """Select sentences along the batch dimension (used to expand to beams)."""
+        return EncoderOut(
+            out=self.out.index_select(0, index),
+            mask=self.mask.index_select(0, index),
+            extras={k: v.index_select(0, index) for k, v in self.extras.items()},
+        )
+
+
+@dataclass
+class LayerCache:
+    """One attention layer's incremental cache.
+
+    ``self_k``/``self_v``: (B, H, t, Dh) keys/values of the decoder prefix, grown by one step at a time.
+    ``static``: keys/values over fixed memories (encoder, BERT), computed at the first step and reused,
+    keyed by memory name: ``{"enc": (k, v)}``.
+    """
+
+    self_k: Tensor | None = None
+    self_v: Tensor | None = None
+    static: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class DecoderState:
+    """Typed incremental decoder state: one :class:`LayerCache` per decoder layer, the current step,
+    and any model-specific tensors (batch dimension first) in ``extras``."""
+
+    layers: list[LayerCache]
+    step: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "DecoderState":
+        return cls(layers=[LayerCache() for _ in range(num_layers)])
+
+    def reorder(self, beam_idx: Tensor) -> None:
+        """Keep the rows ``beam_idx`` (B',) of every cached tensor, in place.
+
+        Static (encoder/BERT) keys and values are reordered too: beams of one sentence share them
+        but after a reorder the row order must follow the surviving hypotheses.
+        """
+        for cache in self.layers:
+            if cache.self_k is not None:
+                cache.self_k = cache.self_k.index_select(0, beam_idx)
+                cache.self_v = cache.self_v.index_select(0, beam_idx)
+            cache.static = {
+                name: (k.index_select(0, beam_idx), v.index_select(0, beam_idx))
+                for name, (k, v) in cache.static.items()
+            }
+        self.extras = {
+            k: v.index_select(0, beam_idx) if isinstance(v, Tensor) else v for k, v in self.extras.items()
+        }
+
+
+@dataclass
+class ModelOutput:
+    """Teacher-forced output: ``logits`` (B, T, V) and named extras for losses (e.g. ``"kd_hidden"``)."""
+
+    logits: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+class NMTModel(torch.nn.Module):
+    """Base class: declares the interface and the pieces the trainer and beam search rely on."""
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, batch: "Batch") -> EncoderOut:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def init_state(self, enc_out: EncoderOut) -> DecoderState:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def forward(self, batch: "Batch") -> ModelOutput:  # pragma: no cover - interface
+        raise NotImplementedError

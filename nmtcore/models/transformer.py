@@ -1,0 +1,82 @@
+"""The Transformer baseline (Vaswani et al. 2017), fairseq-equivalent.
+
+Post-norm by default (``model.pre_norm`` switches), embeddings scaled by sqrt(d) plus sinusoidal
+positions, one embedding matrix shared by source, target and the output projection (joint vocabulary),
+dropout / attention dropout / activation dropout as fairseq. Every BERT-enhanced model in the zoo is
+measured against this one, and warm-starts from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmtcore.config import ModelConfig
+from nmtcore.layers import DecoderLayer, EncoderLayer, SinusoidalPositions
+from nmtcore.models.base import DecoderState, EncoderOut, ModelOutput, NMTModel
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch
+
+
+class Transformer(NMTModel):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        d = cfg.d_model
+        self.embed_scale = math.sqrt(d)
+        self.src_embed = nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        for emb in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
+            nn.init.normal_(emb.weight, mean=0.0, std=d**-0.5)
+            nn.init.zeros_(emb.weight[pad_id])
+        self.positions = SinusoidalPositions(cfg.max_positions, d)
+        layer_args = (d, cfg.heads, cfg.ffn_dim, cfg.dropout, cfg.attention_dropout,
+                      cfg.activation_dropout, cfg.activation, cfg.pre_norm)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers))
+        # Pre-norm stacks end with a LayerNorm (their residual stream is never normalised otherwise).
+        self.encoder_norm = nn.LayerNorm(d) if cfg.pre_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d) if cfg.pre_norm else nn.Identity()
+
+    # ------------------------------------------------------------------ pieces
+    def embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
+        x = table(tokens) * self.embed_scale + self.positions(tokens.size(1), offset)  # (B, T, C)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def output_logits(self, h: Tensor) -> Tensor:
+        """Decoder states (..., C) → logits (..., V) through the tied target embedding."""
+        return F.linear(h, self.tgt_embed.weight)
+
+    def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        """Decoder stack over ``tgt_in`` (B, T); incremental when ``state`` is given. Returns (B, T, C)."""
+        offset = state.step if state is not None else 0
+        x = self.embed(tgt_in, self.tgt_embed, offset)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, enc_out.out, enc_out.mask, cache=state.layers[i] if state is not None else None)
+        return self.decoder_norm(x)
+
+    # ------------------------------------------------------------------ interface
+    def encode(self, batch: "Batch") -> EncoderOut:
+        x = self.embed(batch.src, self.src_embed)  # (B, S, C)
+        for layer in self.encoder_layers:
+            x = layer(x, batch.src_mask)
+        return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask)
+
+    def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        return DecoderState.empty(len(self.decoder_layers))
+
+    def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        h = self.run_decoder(prev_tokens, enc_out, state)  # (B, 1, C)
+        state.step += prev_tokens.size(1)
+        return self.output_logits(h[:, -1])  # (B, V)
+
+    def forward(self, batch: "Batch") -> ModelOutput:
+        enc_out = self.encode(batch)
+        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
+        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})
