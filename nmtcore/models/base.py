@@ -73,20 +73,22 @@ class DecoderState:
     def empty(cls, num_layers: int) -> "DecoderState":
         return cls(layers=[LayerCache() for _ in range(num_layers)])
 
-    def reorder(self, beam_idx: Tensor) -> None:
+    def reorder(self, beam_idx: Tensor, static: bool = True) -> None:
         """Keep the rows ``beam_idx`` (B',) of every cached tensor, in place.
 
-        Static (encoder/BERT) keys and values are reordered too: beams of one sentence share them
-        but after a reorder the row order must follow the surviving hypotheses.
+        ``static=False`` leaves the keys/values over fixed memories (encoder, BERT) as they are: valid
+        when ``beam_idx`` only permutes rows *within* each sentence's block of beams, whose static rows
+        are identical copies (beam search knows when that holds and saves the copies).
         """
         for cache in self.layers:
             if cache.self_k is not None:
                 cache.self_k = cache.self_k.index_select(0, beam_idx)
                 cache.self_v = cache.self_v.index_select(0, beam_idx)
-            cache.static = {
-                name: (k.index_select(0, beam_idx), v.index_select(0, beam_idx))
-                for name, (k, v) in cache.static.items()
-            }
+            if static:
+                cache.static = {
+                    name: (k.index_select(0, beam_idx), v.index_select(0, beam_idx))
+                    for name, (k, v) in cache.static.items()
+                }
         self.extras = {
             k: v.index_select(0, beam_idx) if isinstance(v, Tensor) else v for k, v in self.extras.items()
         }
