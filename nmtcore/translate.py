@@ -1,0 +1,42 @@
+"""Load a trained checkpoint and translate raw sentences (used by ``nmtcore translate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from nmtcore.checkpoint import load_checkpoint, load_model_weights
+from nmtcore.config import ExperimentConfig
+from nmtcore.data import encode_split
+from nmtcore.models import NMTModel, build_model
+from nmtcore.tokenization import SubwordVocab
+from nmtcore.devices import default_device
+from nmtcore.train import translate_split
+
+
+class Translator:
+    """A model + its vocabulary + decoding config, ready to translate lists of raw sentences."""
+
+    def __init__(self, model: NMTModel, vocab: SubwordVocab, cfg: ExperimentConfig,
+                 device: torch.device | None = None) -> None:
+        self.device = device or default_device()
+        self.model = model.to(self.device).eval()
+        self.vocab, self.cfg = vocab, cfg
+
+    def translate(self, lines: list[str]) -> list[str]:
+        split = encode_split(self.vocab, "input", [" ".join(line.split()) for line in lines])
+        return translate_split(self.model, split, self.vocab, self.cfg.decode, self.device)
+
+
+def load_translator(path: Path, overrides: Mapping[str, Any] | None = None) -> Translator:
+    """Rebuild the model from the checkpoint's own config through the registry and load its weights."""
+    ckpt = load_checkpoint(path)
+    cfg = ExperimentConfig.from_dict(ckpt["config"])
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
+    vocab = SubwordVocab.from_tensor_payload(ckpt["vocab"])
+    model = build_model(cfg.model, len(vocab), vocab.pad_id, vocab.bos_id, vocab.eos_id)
+    load_model_weights(model, ckpt["model"], str(path))
+    return Translator(model, vocab, cfg)

@@ -1,0 +1,80 @@
+"""The command line end to end on the synthetic corpus: train (tracked in MLflow), translate, evaluate,
+and one-line errors with exit status 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nmtcore import tracking
+from nmtcore.checkpoint import epoch_checkpoints
+from tests.synthetic import translate as gold, write_corpus
+
+
+def nmtcore(*args, stdin=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "nmtcore.cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    data = write_corpus(tmp / "data")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    r = nmtcore("train", "--data-dir", str(data), "--output-dir", str(tmp / "run"), "--tracking-uri", uri,
+                "--experiment", "cli-test", "--set", "data.corpus=parallel", "data.src_lang=xx", "data.tgt_lang=yy",
+                "data.valid_split=valid", "data.test_splits=test", "data.vocab_size=96", "data.max_tokens=300",
+                f"data.cache_dir={tmp / 'cache'}", "model.encoder_layers=2", "model.decoder_layers=2",
+                "model.d_model=64", "model.ffn_dim=128", "model.dropout=0.0", "train.lr=5e-3",
+                "train.warmup_updates=100", "train.max_epochs=6", "train.num_threads=1", "decode.beam=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp, uri, json.loads(r.stdout)
+
+
+def test_train_logs_params_metrics_and_hypotheses_to_mlflow(trained):
+    tmp, uri, summary = trained
+    run = tracking.get_run(summary["mlflow_run_id"], tracking_uri=uri)
+    assert run.status == "FINISHED"
+    assert run.params["model.d_model"] == "64" and run.params["data.corpus"] == "parallel"
+    assert run.tags["nmtcore.model"] == "transformer" and "nmtcore.checksum.vocab" in run.tags
+    epochs = tracking.get_run_metrics(summary["mlflow_run_id"], tracking_uri=uri)
+    assert [step for step, _ in epochs["valid_loss"]] == list(range(1, 7))
+    assert "valid_bleu" in epochs and "test/test/bleu" in epochs
+    arts = tracking.list_artifacts(summary["mlflow_run_id"], tracking_uri=uri)
+    assert "hypotheses/test.yy" in arts and "config.yaml" in arts and "summary.json" in arts
+
+
+def test_translate_from_checkpoint_and_evaluate(trained, tmp_path):
+    tmp, _, summary = trained
+    ckpt = epoch_checkpoints(tmp / "run" / "checkpoints")[-1]
+    src = ["ka lo mi nu", "pe ra si"]
+    r = nmtcore("translate", "--checkpoint", str(ckpt), "--set", "decode.beam=2", stdin="\n".join(src) + "\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    hyps = r.stdout.splitlines()
+    assert len(hyps) == 2
+    refs = [" ".join(gold(s.split())) for s in src]
+    (tmp_path / "h").write_text("\n".join(hyps) + "\n")
+    (tmp_path / "r").write_text("\n".join(refs) + "\n")
+    r = nmtcore("evaluate", "--hyp", str(tmp_path / "h"), "--ref", str(tmp_path / "r"))
+    assert r.returncode == 0 and json.loads(r.stdout)["bleu"] >= 0
+    # The hypotheses the run wrote for its test split score what the summary says.
+    r = nmtcore("evaluate", "--hyp", summary["test"]["test"]["hyp_path"], "--ref", str(tmp / "data" / "test.yy"))
+    assert json.loads(r.stdout)["bleu"] == pytest.approx(summary["test"]["test"]["bleu"])
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["train", "--no-track", "--set", "train.lrr=1"], "train.lrr: unknown key"),
+    (["train", "--no-track", "--set", "model.dropout=2"], "model.dropout: must be in [0, 1]"),
+    (["train", "--no-track", "--set", "model.heads=3"], "model.heads: must divide model.d_model"),
+    (["train", "--no-track", "--set", "model.name=bert_fusd"], "model.name: unknown model 'bert_fusd'"),
+    (["train", "--no-track", "--data-dir", "/nonexistent", "--set", "data.download=false"], "/nonexistent/multi30k"),
+    (["translate", "--checkpoint", "/nonexistent.pt"], "/nonexistent.pt: checkpoint not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, culprit, tmp_path):
+    r = nmtcore(*args, "--output-dir", str(tmp_path / "o")) if args[0] == "train" else nmtcore(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip()
+    assert err.startswith("nmtcore: error: ") and "\n" not in err and culprit in err, err
