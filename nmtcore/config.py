@@ -85,6 +85,58 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class BertConfig:
+    """Which BERT a model consumes and how. Give ``name`` *or* a size ``layers`` × ``hidden``, never both.
+
+    ``name``: a local directory, a hub id (``bert-base-uncased``), ``minilm`` (the packaged
+    all-MiniLM-L6-v2) or ``pretrained-here:L4-H256:<corpus>:<lang>`` (made by ``nmtcore bert-pretrain``).
+    ``layers``/``hidden``: a size preset, resolved to Google's ``bert_uncased_L-{L}_H-{H}_A-{H/64}`` when
+    reachable, else to the platform's own pretrained BERT of that size. Empty = the model uses no BERT.
+    """
+
+    name: str = ""
+    layers: int = 0
+    hidden: int = 0
+    freeze: bool = True
+    dropout_when_frozen: bool = False  # the original BERT-fused code left it on; off = eval-mode BERT
+    use_cache: bool = True  # frozen-feature cache (bypassed automatically while BERT is fine-tuned)
+    max_length: int = 0  # 0 = the BERT's max positions
+    # BERT input: "none" = [CLS] sentence [SEP]; "previous" = [CLS] previous line [SEP] sentence [SEP] with
+    # segment ids 0/1 (document-level context, Eq. 2 of the context-encoder paper).
+    context: str = "none"
+    # Student state distilled from this BERT when train.kd_alpha < 1: the top encoder layer (CTNMT) or
+    # layer M/2 (PLM-sponsored NMT, Eq. 4).
+    kd_layer: str = "encoder_top"
+    # A size preset no published BERT answers is pretrained here (``nmtcore bert-pretrain``) on
+    # "<corpus>:<lang>" for pretrain_steps MLM updates; "" = the experiment's source side (nmtcore.bert.ensure_bert).
+    pretrain_corpus: str = ""
+    pretrain_steps: int = 1500
+    cache_dir: str = ""  # where platform-made BERTs live; "" = data.cache_dir's default ($NMTCORE_CACHE)
+
+    def __post_init__(self) -> None:
+        check(not (self.name and (self.layers or self.hidden)), "model.bert.name",
+              "give a BERT name or a size (model.bert.layers/hidden), never both")
+        check(self.layers >= 0 and self.hidden >= 0, "model.bert.layers", "must be >= 0")
+        check((self.layers > 0) == (self.hidden > 0), "model.bert.hidden",
+              "model.bert.layers and model.bert.hidden go together")
+        check(self.hidden % 64 == 0, "model.bert.hidden", f"must be a multiple of 64 (heads of 64), got {self.hidden}")
+        check(self.max_length == 0 or self.max_length >= 4, "model.bert.max_length",
+              f"must be 0 (the BERT's max positions) or >= 4, got {self.max_length}")
+        check(self.context in ("none", "previous"), "model.bert.context",
+              f"must be 'none' or 'previous', got {self.context!r}")
+        check(self.kd_layer in ("encoder_top", "encoder_half"), "model.bert.kd_layer",
+              f"must be 'encoder_top' or 'encoder_half', got {self.kd_layer!r}")
+        check(self.pretrain_corpus == "" or (self.pretrain_corpus.count(":") == 1
+                                             and all(self.pretrain_corpus.split(":"))),
+              "model.bert.pretrain_corpus", f"must be '<corpus>:<lang>' or empty, got {self.pretrain_corpus!r}")
+        check(self.pretrain_steps >= 1, "model.bert.pretrain_steps", f"must be >= 1, got {self.pretrain_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name or self.layers)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Transformer hyper-parameters; every model family's config extends this one."""
 
@@ -101,6 +153,7 @@ class ModelConfig:
     pre_norm: bool = False
     share_embeddings: bool = True
     max_positions: int = 1024
+    bert: BertConfig = field(default_factory=BertConfig)
 
     def __post_init__(self) -> None:
         for key in ("encoder_layers", "decoder_layers", "d_model", "ffn_dim", "heads", "max_positions"):
@@ -139,6 +192,8 @@ class TrainConfig:
     valid_bleu: bool = True  # greedy-decode the validation set each epoch for BLEU
     log_interval: int = 50
     save_dir: str = ""  # "" = <experiment.output_dir>/checkpoints
+    # Knowledge distillation from BERT: L = kd_alpha·L_NMT + (1 − kd_alpha)·L_KD; 1.0 = no KD.
+    kd_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
@@ -161,6 +216,7 @@ class TrainConfig:
         check(0 <= self.average_last <= self.keep_last, "train.average_last",
               "must be in [0, train.keep_last]")
         check(self.log_interval >= 1, "train.log_interval", "must be >= 1")
+        check_unit_interval(self.kd_alpha, "train.kd_alpha")
 
 
 @dataclass(frozen=True)

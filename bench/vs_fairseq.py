@@ -1,0 +1,136 @@
+"""nmtcore side of the fairseq peer benchmark (../shared/bench/peer_fairseq.sh), same model and knobs.
+
+Trains the Multi30k En→De 3+3 / d256 / 4 heads / FFN 1024 Transformer exactly as the peer script does:
+  run "thr":  lr 5e-4, warmup 4000, 200 updates  → training target tokens/s
+  run "qual": lr 1e-3, warmup 400,  500 updates  → validation loss, test_2016_flickr BLEU (beam 5, greedy)
+and decodes test_2016_flickr with beam 5 and greedy (max_len 1.2·src + 10, 128 sentences per batch),
+printing one machine-readable line per figure. With ``--peer-log`` (the peer script's output) it also
+prints nmtcore/fairseq ratios. Run it alone on the machine, not next to the peer.
+
+  python bench/vs_fairseq.py --data-dir ../shared/data --peer-log /tmp/peer/peer.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nmtcore.config import preset
+from nmtcore.data import prepare_data
+from nmtcore.models import build_model
+from nmtcore.train import Trainer, setup_torch, translate_split
+from nmtcore import bleu
+
+
+def experiment(args, name: str, lr: float, warmup: int, updates: int, precision: str):
+    return preset("multi30k_small").with_overrides({
+        "name": f"bench-{name}", "output_dir": str(Path(args.out) / f"{name}-{precision}"),
+        "data.data_dir": args.data_dir, "data.cache_dir": args.cache_dir, "data.max_tokens": 4096,
+        "model.dropout": 0.1, "model.attention_dropout": 0.0, "model.activation_dropout": 0.0,
+        "train.lr": lr, "train.warmup_updates": warmup, "train.warmup_init_lr": 1e-7,
+        "train.max_updates": updates, "train.max_epochs": 100, "train.seed": 1, "train.clip_norm": 0.0,
+        "train.num_threads": args.threads, "train.precision": precision, "train.valid_bleu": False,
+        "train.keep_last": 1, "decode.beam": 5, "decode.max_len_a": 1.2, "decode.max_len_b": 10,
+        "decode.max_sentences": 128, "decode.precision": precision,
+    })
+
+
+def train_run(args, name, lr, warmup, updates, precision, data):
+    cfg = experiment(args, name, lr, warmup, updates, precision)
+    setup_torch(cfg)
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    t0 = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - t0
+    hist = trainer.state.history
+    tokens = sum(h["train_tokens"] for h in hist)
+    train_wall = sum(h["train_wall_s"] for h in hist)
+    fig = {"run": name, "precision": precision, "updates": trainer.state.num_updates,
+           "train_wall_s": round(train_wall, 1), "fit_wall_s": round(wall, 1),
+           "tgt_tok_per_update": round(tokens / trainer.state.num_updates),
+           "train_tgt_tok_per_s": round(tokens / train_wall), "valid_loss": round(hist[-1]["valid_loss"], 3),
+           "valid_nll": round(hist[-1]["valid_nll"], 3)}
+    print(f"nmtcore {name}[{precision}]: " + " ".join(f"{k}={v}" for k, v in fig.items()), flush=True)
+    return fig, trainer
+
+
+def decode_run(args, trainer, name, beam, precision, data):
+    split = data.splits["test_2016_flickr"]
+    dcfg = trainer.cfg.decode.__class__(**{**trainer.cfg.decode.__dict__, "beam": beam, "nbest": 1,
+                                           "precision": precision})
+    translate_split(trainer.model, split.select(range(64)), data.vocab, dcfg, trainer.device)  # warm-up
+    t0 = time.perf_counter()
+    hyps = translate_split(trainer.model, split, data.vocab, dcfg, trainer.device)
+    wall = time.perf_counter() - t0
+    b = bleu.corpus_bleu(hyps, split.raw_tgt)
+    out_tokens = sum(len(data.vocab.encode(h)) + 1 for h in hyps)
+    fig = {"run": name, "beam": beam, "precision": precision, "gen_s": round(wall, 2),
+           "sent_per_s": round(len(hyps) / wall, 1), "tok_per_s": round(out_tokens / wall),
+           "bleu": round(b.score, 2), "avg_hyp_words": round(sum(len(h.split()) for h in hyps) / len(hyps), 1)}
+    print(f"nmtcore {name} beam={beam}[{precision}]: " + " ".join(f"{k}={v}" for k, v in fig.items()), flush=True)
+    return fig
+
+
+def peer_figures(path: str) -> dict[str, dict[str, str]]:
+    runs = {}
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("peer=fairseq"):
+            kv = dict(re.findall(r"(\w+)=([^ ]+)", line))
+            runs[kv["run"]] = kv
+    return runs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
+    p.add_argument("--cache-dir", default="")
+    p.add_argument("--out", default="bench/out/vs_fairseq")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precisions", default="auto", help="comma list of auto,bf16,fp32")
+    p.add_argument("--skip-thr", action="store_true", help="only the quality run")
+    p.add_argument("--peer-log", help="output of ../shared/bench/peer_fairseq.sh, for ratios")
+    args = p.parse_args()
+    data = prepare_data(experiment(args, "thr", 5e-4, 4000, 200, "fp32").data)
+    print(f"nmtcore data: train_pairs={len(data.train)} vocab={len(data.vocab)} "
+          f"train_tgt_tokens_incl_eos={int(data.train.tgt_lens.sum() + len(data.train))}", flush=True)
+    results = {}
+    for precision in args.precisions.split(","):
+        r = {}
+        if not args.skip_thr:
+            r["thr"], _ = train_run(args, "thr", 5e-4, 4000, 200, precision, data)
+        r["qual"], trainer = train_run(args, "qual", 1e-3, 400, 500, precision, data)
+        r["qual_beam5"] = decode_run(args, trainer, "qual", 5, precision, data)
+        r["qual_greedy"] = decode_run(args, trainer, "qual", 1, precision, data)
+        results[precision] = r
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"nmtcore peak_rss_mb={rss:.0f}")
+    if args.peer_log:
+        peer = peer_figures(args.peer_log)
+        for precision, r in results.items():
+            ratios = {}
+            if "thr" in r and "thr" in peer:
+                ratios["train_tok_per_s_thr"] = r["thr"]["train_tgt_tok_per_s"] / float(peer["thr"]["train_tgt_tok_per_s"])
+            if "qual" in peer:
+                q = peer["qual"]
+                ratios["train_tok_per_s_qual"] = r["qual"]["train_tgt_tok_per_s"] / float(q["train_tgt_tok_per_s"])
+                ratios["bleu_delta_beam5"] = r["qual_beam5"]["bleu"] - float(q["bleu"])
+                ratios["bleu_delta_greedy"] = r["qual_greedy"]["bleu"] - float(q["bleu_greedy"])
+                ratios["beam5_sent_per_s"] = r["qual_beam5"]["sent_per_s"] / float(q["decode_sent_per_s_beam5"])
+                ratios["greedy_sent_per_s"] = r["qual_greedy"]["sent_per_s"] / float(q["decode_sent_per_s_greedy"])
+            print(f"ratio nmtcore[{precision}]/fairseq: " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
