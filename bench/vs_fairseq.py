@@ -32,8 +32,8 @@ from nmtcore import bleu
 
 def experiment(args, name: str, lr: float, warmup: int, updates: int, precision: str):
     return preset("multi30k_small").with_overrides({
-        "name": f"bench-{name}", "output_dir": str(Path(args.out) / f"{name}-{precision}"),
-        "data.data_dir": args.data_dir, "data.cache_dir": args.cache_dir, "data.max_tokens": 4096,
+        "name": f"bench-{name}", "output_dir": str(Path(args.out) / (f"{name}-{precision}" + (f"-mt{args.max_tokens}" if args.max_tokens != 4096 else ""))),
+        "data.data_dir": args.data_dir, "data.cache_dir": args.cache_dir, "data.max_tokens": args.max_tokens,
         "model.dropout": 0.1, "model.attention_dropout": 0.0, "model.activation_dropout": 0.0,
         "train.lr": lr, "train.warmup_updates": warmup, "train.warmup_init_lr": 1e-7,
         "train.max_updates": updates, "train.max_epochs": 100, "train.seed": 1, "train.clip_norm": 0.0,
@@ -48,6 +48,10 @@ def train_run(args, name, lr, warmup, updates, precision, data):
     setup_torch(cfg)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
     trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    if args.reuse and trainer.resume() and trainer.state.num_updates >= updates:
+        print(f"nmtcore {name}[{precision}]: reusing {trainer.save_dir} (training figures are from the first run)")
+    elif args.reuse:
+        raise SystemExit(f"--reuse: no finished checkpoint in {trainer.save_dir}")
     t0 = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - t0
@@ -97,6 +101,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precisions", default="auto", help="comma list of auto,bf16,fp32")
     p.add_argument("--skip-thr", action="store_true", help="only the quality run")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="batch budget; fairseq packs fewer target tokens per 4096-token batch than we do "
+                        "(it sorts by source length only), ~3675 gives its 3446 target tokens per update")
+    p.add_argument("--reuse", action="store_true", help="decode the checkpoints of an earlier run, no training")
     p.add_argument("--peer-log", help="output of ../shared/bench/peer_fairseq.sh, for ratios")
     args = p.parse_args()
     data = prepare_data(experiment(args, "thr", 5e-4, 4000, 200, "fp32").data)
