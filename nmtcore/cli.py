@@ -1,4 +1,4 @@
-"""``nmtcore`` command line: train, translate, evaluate.
+"""``nmtcore`` command line: train, translate, evaluate, report, bert-pretrain.
 
 Every error a user can cause (bad config key, missing data, corrupt checkpoint...) ends as one line on
 stderr and exit status 2; tracebacks are for bugs.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -65,6 +66,34 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from nmtcore import report, tracking
+
+    rep = report.build_report(args.sweep, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap)
+    files = report.write_report(rep, Path(args.out or Path("reports") / rep.sweep).resolve())
+    if not args.no_log:
+        tracking.log_run_artifacts(rep.parent_run_id, files, "report", rep.tracking_uri)
+    print(report.render_markdown(rep))
+    print("\n".join(f"wrote {f}" for f in files))
+    if not args.no_log:
+        print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
+    return 0
+
+
+def cmd_bert_pretrain(args: argparse.Namespace) -> int:
+    from nmtcore.bert_pretrain import DEFAULT_STEPS, PretrainSpec, pretrain_bert
+    from nmtcore.config import DataConfig
+
+    spec = PretrainSpec(args.layers, args.hidden, args.corpus, args.lang, args.steps or DEFAULT_STEPS, args.seed,
+                        args.vocab_size, args.max_length)
+    data_cfg = DataConfig(corpus=args.corpus, data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else "",
+                          cache_dir=args.cache_dir or "", download=not args.no_download)
+    result = pretrain_bert(spec, data_cfg, threads=args.threads or None, force=args.force, progress=print)
+    print(json.dumps({"name": result.name, "path": str(result.path), "cached": result.cached,
+                      **result.metrics}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nmtcore", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -94,6 +123,31 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--hyp", required=True)
     ev.add_argument("--ref", required=True)
     ev.set_defaults(func=cmd_evaluate)
+
+    rp = sub.add_parser("report", help="a sweep's table and figures, from MLflow alone")
+    rp.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    rp.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    rp.add_argument("--out", help="output folder (default: reports/<sweep>)")
+    rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
+    rp.add_argument("--no-log", action="store_true", help="do not attach the report to the parent run")
+    rp.set_defaults(func=cmd_report)
+
+    bp = sub.add_parser("bert-pretrain", help="masked-LM pretraining of a BERT of any size L x H on one side of a "
+                                              "corpus (cached; resolves as pretrained-here:L<L>-H<H>:<corpus>:<lang>)")
+    bp.add_argument("--layers", type=int, required=True, help="L, number of Transformer layers")
+    bp.add_argument("--hidden", type=int, required=True, help="H, hidden size (a multiple of 64; H/64 heads)")
+    bp.add_argument("--corpus", default="multi30k", help="registered corpus (default: multi30k)")
+    bp.add_argument("--lang", default="en", help="which side of it (default: en)")
+    bp.add_argument("--steps", type=int, help="MLM updates (default: model.bert.pretrain_steps' default)")
+    bp.add_argument("--seed", type=int, default=1)
+    bp.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size")
+    bp.add_argument("--max-length", type=int, default=128, help="BERT positions")
+    bp.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    bp.add_argument("--data-dir", help="directory holding the corpora (default: $NMTCORE_DATA)")
+    bp.add_argument("--cache-dir", help="cache root (default: $NMTCORE_CACHE or ~/.cache/nmtcore)")
+    bp.add_argument("--no-download", action="store_true", help="never download the corpus")
+    bp.add_argument("--force", action="store_true", help="pretrain again even if the result is cached")
+    bp.set_defaults(func=cmd_bert_pretrain)
     return p
 
 
@@ -101,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Schedulers stop jobs with SIGTERM; turn it into KeyboardInterrupt so the MLflow run ends KILLED
+    # (not left RUNNING) and checkpoints already written stay the resume point.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except user_errors() as e:
@@ -108,13 +165,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: reported as one line, exit status 2."""
+    from nmtcore.bert import BertError
+    from nmtcore.bert_pretrain import PretrainError
     from nmtcore.checkpoint import CheckpointError
     from nmtcore.data import DataError
     from nmtcore.tracking import TrackingError
+    from search_spaces import SpaceError
 
-    return (ConfigError, DataError, CheckpointError, TrackingError, FileNotFoundError, PermissionError)
+    errors: tuple[type[BaseException], ...] = (ConfigError, DataError, CheckpointError, TrackingError, SpaceError,
+                                               BertError, PretrainError, FileNotFoundError, PermissionError)
+    if "nmtcore.sweep" in sys.modules:  # only a sweep can raise it; importing it would import Ray
+        errors += (sys.modules["nmtcore.sweep"].SweepError,)
+    return errors
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -169,6 +169,33 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PhaseConfig:
+    """One phase of a training schedule (BERT-JAM Section 2.4): which parameter groups train, for how long.
+
+    ``trainable``: names of the model's parameter groups (``model.parameter_groups()``, e.g. ``nmt``,
+    ``glu``, ``bert``) that receive gradients; every other group is frozen. ``epochs``: the phase's length;
+    0 = open-ended (until ``train.max_epochs`` or early stopping; last phase only). ``glu_scale``: the
+    factor the model multiplies its GLU output by (2 in BERT-JAM's phase 1, Eq. 11). ``early_stop``:
+    ``train.patience`` applies in this phase (counted from the phase's start). A frozen BERT is served
+    from the frozen-feature cache; a phase that trains ``bert`` bypasses it (the BERT layer follows
+    ``requires_grad``).
+    """
+
+    name: str = "main"
+    epochs: int = 0
+    trainable: tuple[str, ...] = ("nmt",)
+    glu_scale: float = 1.0
+    early_stop: bool = False
+
+    def __post_init__(self) -> None:
+        check(bool(self.name), "train.phases.name", "must not be empty")
+        check(self.epochs >= 0, f"train.phases[{self.name}].epochs", f"must be >= 0, got {self.epochs}")
+        check(len(self.trainable) > 0 and len(set(self.trainable)) == len(self.trainable),
+              f"train.phases[{self.name}].trainable", f"must be non-empty without repeats, got {self.trainable}")
+        check(self.glu_scale > 0, f"train.phases[{self.name}].glu_scale", f"must be > 0, got {self.glu_scale}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, checkpointing and stopping. fairseq semantics for the LR schedule."""
 
@@ -194,6 +221,12 @@ class TrainConfig:
     save_dir: str = ""  # "" = <experiment.output_dir>/checkpoints
     # Knowledge distillation from BERT: L = kd_alpha·L_NMT + (1 − kd_alpha)·L_KD; 1.0 = no KD.
     kd_alpha: float = 1.0
+    # Phase schedule (BERT-JAM's three phases); () = the model's default_phases() if it has one, else a
+    # single implicit phase that leaves requires_grad as the model set it. See PhaseConfig.
+    phases: tuple[PhaseConfig, ...] = ()
+    # Warm start: a trained checkpoint (e.g. the baseline's) whose matching weights initialise the model
+    # before training; new parameters (BERT attention) stay fresh. Ignored when resuming.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
@@ -217,6 +250,10 @@ class TrainConfig:
               "must be in [0, train.keep_last]")
         check(self.log_interval >= 1, "train.log_interval", "must be >= 1")
         check_unit_interval(self.kd_alpha, "train.kd_alpha")
+        names = [p.name for p in self.phases]
+        check(len(set(names)) == len(names), "train.phases", f"phase names must be unique, got {names}")
+        check(all(p.epochs > 0 for p in self.phases[:-1]), "train.phases",
+              "only the last phase may be open-ended (epochs = 0)")
 
 
 @dataclass(frozen=True)
@@ -282,9 +319,13 @@ class ExperimentConfig:
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ExperimentConfig":
         """Return a copy with flat dotted keys replaced; values may be strings (parsed as YAML)."""
         d = self.to_dict()
-        # A model.name change re-types the whole model section: start from the new class's defaults.
+        # A model.name change re-types the model section: the fields every family shares (the
+        # Transformer's dims and the BERT choice) carry over, family-specific ones restart at the new
+        # class's defaults.
         if "model.name" in overrides and overrides["model.name"] != d["model"]["name"]:
-            d["model"] = {"name": _parse_scalar(overrides["model.name"])}
+            shared = {f.name for f in dataclasses.fields(ModelConfig)}
+            d["model"] = {k: v for k, v in d["model"].items() if k in shared}
+            d["model"]["name"] = _parse_scalar(overrides["model.name"])
         for key, value in overrides.items():
             parts = key.split(".")
             node = d

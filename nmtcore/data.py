@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -326,19 +326,71 @@ def load_split(cfg: DataConfig, split: str) -> ParallelText:
 
 
 # ------------------------------------------------------------------------------------ encoding, filtering
+class FeatureSource(Protocol):
+    """Precomputed BERT hidden states of a split's sentences (:class:`nmtcore.bert_cache.FeatureStore`)."""
+
+    def gather(self, indices: np.ndarray, length: int) -> Tensor:
+        """(B, length, K, H) float16 states of sentences ``indices``, right-padded with zeros."""
+        ...
+
+    def select(self, indices: np.ndarray) -> "FeatureSource":
+        """The same features re-indexed like :meth:`EncodedSplit.select`."""
+        ...
+
+
+@dataclass
+class BertInputs:
+    """A split's second token stream: the raw source line in the BERT's own WordPiece (built by
+    :func:`nmtcore.bert.encode_bert_inputs`; see that module for the layout).
+
+    ``ids[i]``: int32 ``[CLS] … [SEP]`` (or ``[CLS] context [SEP] sentence [SEP]``) ids, never padded here;
+    ``segments[i]``: int8 token type ids, same length; ``align[i]``: (src_len + 1, 2) int32, for each NMT
+    source position (eos included) the ``[start, end)`` span of the WordPieces of the same whitespace word
+    (empty for eos and for words BERT dropped or truncation cut); ``features``: the frozen-feature cache of
+    this split, if attached.
+    """
+
+    ids: list[np.ndarray]
+    segments: list[np.ndarray]
+    align: list[np.ndarray]
+    pad_id: int
+    features: FeatureSource | None = None
+
+    def __post_init__(self) -> None:
+        if not (len(self.ids) == len(self.segments) == len(self.align)):
+            raise ValueError("BertInputs: ids, segments and align must have the same length")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @cached_property
+    def lens(self) -> np.ndarray:
+        """(N,) int64 WordPiece counts, [CLS] and [SEP]s included."""
+        return np.fromiter((len(s) for s in self.ids), dtype=np.int64, count=len(self.ids))
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> "BertInputs":
+        idx = [int(i) for i in indices]
+        return BertInputs([self.ids[i] for i in idx], [self.segments[i] for i in idx], [self.align[i] for i in idx],
+                          self.pad_id, self.features.select(np.asarray(idx, dtype=np.int64)) if self.features else None)
+
+
 @dataclass
 class EncodedSplit:
-    """One split as subword ids (no bos/eos; int32 arrays) plus the raw lines they came from."""
+    """One split as subword ids (no bos/eos; int32 arrays) plus the raw lines they came from, and, for
+    BERT-consuming models, the BERT token stream of the source side (``bert``)."""
 
     name: str
     src: list[np.ndarray]
     tgt: list[np.ndarray]
     raw_src: list[str]
     raw_tgt: list[str]
+    bert: BertInputs | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.src) == len(self.tgt) == len(self.raw_src) == len(self.raw_tgt)):
             raise ValueError(f"split {self.name!r}: src, tgt, raw_src and raw_tgt must have the same length")
+        if self.bert is not None and len(self.bert) != len(self.src):
+            raise ValueError(f"split {self.name!r}: {len(self.bert)} BERT inputs for {len(self.src)} sentences")
 
     def __len__(self) -> int:
         return len(self.src)
@@ -353,11 +405,17 @@ class EncodedSplit:
         """(N,) int64 subword counts, bos/eos not included."""
         return np.fromiter((len(t) for t in self.tgt), dtype=np.int64, count=len(self.tgt))
 
+    @property
+    def bert_lens(self) -> np.ndarray | None:
+        """(N,) int64 BERT WordPiece counts ([CLS]/[SEP] included), or None without a BERT stream."""
+        return self.bert.lens if self.bert is not None else None
+
     def select(self, indices: Sequence[int] | np.ndarray) -> "EncodedSplit":
         """A new split with the pairs ``indices``, in that order."""
         idx = [int(i) for i in indices]
         return EncodedSplit(self.name, [self.src[i] for i in idx], [self.tgt[i] for i in idx],
-                            [self.raw_src[i] for i in idx], [self.raw_tgt[i] for i in idx])
+                            [self.raw_src[i] for i in idx], [self.raw_tgt[i] for i in idx],
+                            self.bert.select(idx) if self.bert is not None else None)
 
 
 def encode_split(vocab: SubwordVocab, name: str, src: Sequence[str],
@@ -551,12 +609,14 @@ def _greedy_bounds(lens: np.ndarray, max_tokens: int, max_sentences: int) -> lis
 
 def batch_indices(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, max_sentences: int = 0,
                   shuffle: bool = True, seed: int = 1, epoch: int = 1, rank: int = 0,
-                  world_size: int = 1) -> list[np.ndarray]:
+                  world_size: int = 1, bert_lens: np.ndarray | None = None) -> list[np.ndarray]:
     """Token-budget batches of sentence indices for one epoch (fairseq-style), for one DDP rank.
 
     ``src_lens``/``tgt_lens`` are subword counts without bos/eos. A sentence costs
     ``L = max(src_len, tgt_len) + 1`` (the eos / bos), and a batch of n sentences costs
     ``max(L) * n`` padded tokens, which is kept ``<= max_tokens`` (and ``n <= max_sentences`` if > 0).
+    With ``bert_lens`` (the BERT stream's lengths, [CLS]/[SEP] included) a sentence costs
+    ``max(L, bert_len)``, so every padded stream of a batch (source, target, BERT) stays in the budget.
     A sentence with ``L > max_tokens`` on its own gets a batch of one (it is never dropped).
 
     Sentences are sorted by L, ties broken by target length, then source length, then (if
@@ -581,6 +641,8 @@ def batch_indices(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, m
     if len(src) == 0:
         return []
     cost = np.maximum(src, tgt) + 1  # (N,)
+    if bert_lens is not None:
+        cost = np.maximum(cost, np.asarray(bert_lens, dtype=np.int64))  # (N,)
     rng = np.random.default_rng((seed, epoch))
     keys = (src, tgt, cost)  # np.lexsort: last key is the primary one
     if shuffle:
@@ -610,7 +672,10 @@ def _fill(seqs: list[np.ndarray], lens: np.ndarray, out: np.ndarray, offset: int
 
 def collate(split: EncodedSplit, indices: Sequence[int] | np.ndarray, pad_id: int, bos_id: int,
             eos_id: int) -> Batch:
-    """Pad the pairs ``indices`` of ``split`` into a :class:`Batch` (see its field comments)."""
+    """Pad the pairs ``indices`` of ``split`` into a :class:`Batch` (see its field comments).
+
+    A split with a BERT stream also fills ``extras`` (:func:`collate_bert`).
+    """
     idx = np.asarray(indices, dtype=np.int64)  # (B,)
     if idx.ndim != 1 or len(idx) == 0:
         raise ValueError(f"collate needs a non-empty 1-D list of indices, got shape {idx.shape}")
@@ -636,7 +701,35 @@ def collate(split: EncodedSplit, indices: Sequence[int] | np.ndarray, pad_id: in
     return Batch(src=torch.from_numpy(src), src_mask=torch.from_numpy(src_mask),
                  tgt_in=torch.from_numpy(tgt_in), tgt_out=torch.from_numpy(tgt_out),
                  tgt_mask=torch.from_numpy(tgt_mask), ids=torch.from_numpy(idx.copy()),
+                 extras=collate_bert(split.bert, idx, S) if split.bert is not None else {},
                  _n_tgt_tokens=int(tgt_lens.sum()) + B)
+
+
+def collate_bert(bert: BertInputs, idx: np.ndarray, src_width: int) -> dict[str, Tensor]:
+    """The BERT extras of a batch, all right-padded (left padding would shift BERT's absolute positions):
+
+    ``bert_ids`` (B, Tb) int64, ``bert_mask`` (B, Tb) bool True = padding, ``bert_segments`` (B, Tb) int64,
+    ``bert_align`` (B, S, 2) int64 ``[start, end)`` WordPiece span per NMT source position (``S`` =
+    ``src_width``; padding rows are empty spans), and ``bert_features`` (B, Tb, K, H) float16 when the split
+    has cached features.
+    """
+    B = len(idx)
+    lens = bert.lens[idx]  # (B,)
+    Tb = int(lens.max())
+    ids = np.full((B, Tb), bert.pad_id, dtype=np.int64)
+    _fill([bert.ids[i] for i in idx], lens, ids, 0)
+    segments = np.zeros((B, Tb), dtype=np.int64)
+    _fill([bert.segments[i] for i in idx], lens, segments, 0)
+    align = np.zeros((B, src_width, 2), dtype=np.int64)
+    for b, i in enumerate(idx):
+        a = bert.align[i]  # (src_len + 1, 2)
+        align[b, : len(a)] = a
+    extras = {"bert_ids": torch.from_numpy(ids),
+              "bert_mask": torch.from_numpy(np.arange(Tb)[None, :] >= lens[:, None]),  # (B, Tb)
+              "bert_segments": torch.from_numpy(segments), "bert_align": torch.from_numpy(align)}
+    if bert.features is not None:
+        extras["bert_features"] = bert.features.gather(idx, Tb)  # (B, Tb, K, H) float16
+    return extras
 
 
 def iterate_batches(split: EncodedSplit, vocab: SubwordVocab, max_tokens: int, max_sentences: int = 0,
@@ -644,7 +737,7 @@ def iterate_batches(split: EncodedSplit, vocab: SubwordVocab, max_tokens: int, m
                     world_size: int = 1) -> Iterator[Batch]:
     """Collated :func:`batch_indices` batches of ``split`` for one epoch and one rank."""
     for idx in batch_indices(split.src_lens, split.tgt_lens, max_tokens, max_sentences, shuffle, seed,
-                             epoch, rank, world_size):
+                             epoch, rank, world_size, bert_lens=split.bert_lens):
         yield collate(split, idx, vocab.pad_id, vocab.bos_id, vocab.eos_id)
 
 
@@ -653,12 +746,14 @@ def inference_batches(split: EncodedSplit, vocab: SubwordVocab, max_sentences: i
     """Batches for decoding, grouped by source length (longest batch first) to waste little padding.
 
     At most ``max_sentences`` per batch and, if ``max_tokens > 0``, ``(max src_len + 1) * B <=
-    max_tokens``. Sentences come out of order: put results back with :func:`restore_order` (or by
-    ``batch.ids``, the positions in ``split``).
+    max_tokens`` (``max(src_len + 1, bert_len)`` with a BERT stream). Sentences come out of order: put
+    results back with :func:`restore_order` (or by ``batch.ids``, the positions in ``split``).
     """
     if max_sentences <= 0:
         raise ValueError(f"max_sentences must be > 0, got {max_sentences}")
     cost = split.src_lens + 1  # (N,)
+    if split.bert is not None:
+        cost = np.maximum(cost, split.bert.lens)  # (N,)
     order = np.argsort(cost, kind="stable")  # (N,)
     budget = max_tokens if max_tokens > 0 else int(cost.max(initial=1)) * max_sentences
     batches = np.split(order, _greedy_bounds(cost[order], budget, max_sentences)[:-1]) if len(order) else []

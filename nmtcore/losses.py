@@ -1,21 +1,36 @@
-"""Training losses, kept outside the models (a model returns logits plus named extras)."""
+"""Training losses, kept outside the models (a model returns logits plus named extras).
+
+- :func:`label_smoothed_nll`: fairseq's label-smoothed cross-entropy, summed over target tokens.
+- :func:`kd_mse` / :func:`with_kd`: knowledge distillation from BERT (CTNMT; PLM-sponsored NMT Eq. 4-5),
+  ``L = α·L_NMT + (1 − α)·L_KD`` with ``L_KD`` the MSE between a student hidden state projected to BERT's
+  width and BERT's last layer, padding masked. The model supplies both states as extras
+  (:class:`nmtcore.bert.BertKD`); any model that returns them can be distilled.
+- :func:`training_loss`: what the trainer calls; picks KD when ``train.kd_alpha < 1``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from nmtcore.config import ConfigError, TrainConfig, check_unit_interval
+
+KD_EXTRAS = ("kd_hidden", "kd_target", "kd_mask")
 
 
 @dataclass
 class LossOut:
-    """Summed (not averaged) losses over ``n_tokens`` non-pad target tokens; the trainer normalises."""
+    """Summed (not averaged) losses over ``n_tokens`` non-pad target tokens; the trainer normalises.
+
+    ``kd``: the batch's mean KD MSE (detached, for logging) when the loss includes KD, else None.
+    """
 
     loss: Tensor
     nll: Tensor
     n_tokens: int
+    kd: Tensor | None = None
 
 
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> LossOut:
@@ -33,3 +48,61 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
     eps_i = epsilon / (lprobs.size(-1) - 1)
     loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
     return LossOut(loss=loss.sum(), nll=nll.sum(), n_tokens=int(gold.numel()))
+
+
+def kd_mse(student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
+    """Eq. 4 (PLM-sponsored NMT): ``L_KD = ||r_plm − h||²`` as a mean over kept positions and hidden units.
+
+    student, teacher: (B, S, H) (the student already projected to BERT's width); mask: (B, S) True =
+    excluded (padding, eos, positions with no BERT WordPiece). Computed in fp32; no kept position → 0
+    (still connected to the graph).
+    """
+    if student.shape != teacher.shape or mask.shape != student.shape[:-1]:
+        raise ValueError(f"kd_mse: student {tuple(student.shape)}, teacher {tuple(teacher.shape)} and mask "
+                         f"{tuple(mask.shape)} do not match")
+    keep = ~mask  # (B, S)
+    diff = student[keep].float() - teacher[keep].float()  # (N, H)
+    if diff.numel() == 0:
+        return student.float().sum() * 0.0
+    return diff.pow(2).mean()
+
+
+def with_kd(nmt: LossOut, kd: Tensor, alpha: float) -> LossOut:
+    """Eq. 5: ``L = α·L_NMT + (1 − α)·L_KD``, on per-token means.
+
+    ``nmt.loss`` is a sum the trainer divides by ``n_tokens``, so the KD mean enters as
+    ``(1 − α)·kd·n_tokens``: after the trainer's division the update follows exactly
+    ``α·mean(L_NMT) + (1 − α)·L_KD``. ``nll`` stays the pure translation NLL (for perplexity).
+    """
+    check_unit_interval(alpha, "train.kd_alpha")
+    loss = alpha * nmt.loss + (1.0 - alpha) * kd * nmt.n_tokens
+    return LossOut(loss=loss, nll=nmt.nll, n_tokens=nmt.n_tokens, kd=kd.detach())
+
+
+def training_loss(logits: Tensor, extras: dict[str, Tensor], target: Tensor, cfg: TrainConfig, pad_id: int) -> LossOut:
+    """The training objective ``cfg`` selects: label-smoothed NLL, plus KD from BERT when
+    ``cfg.kd_alpha < 1`` (then ``extras`` must hold ``kd_hidden``, ``kd_target`` and ``kd_mask``)."""
+    lo = label_smoothed_nll(logits, target, cfg.label_smoothing, pad_id)
+    if cfg.kd_alpha >= 1.0:
+        return lo
+    missing = [k for k in KD_EXTRAS if k not in extras]
+    if missing:
+        raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs a BERT teacher, but the model returned no "
+                          f"{', '.join(missing)}; set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
+    return with_kd(lo, kd_mse(extras["kd_hidden"], extras["kd_target"], extras["kd_mask"]), cfg.kd_alpha)
+
+
+def check_kd(cfg: TrainConfig, model: nn.Module) -> None:
+    """Fail before training when KD is asked for without a teacher, or a teacher is built but unused."""
+    from nmtcore.bert import BertKD
+
+    has_teacher = any(isinstance(m, BertKD) for m in model.modules())
+    if cfg.kd_alpha < 1.0 and not has_teacher:
+        raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs a BERT teacher: set model.bert.name "
+                          "(e.g. minilm) or model.bert.layers/hidden (the baseline's model.bert is its KD teacher)")
+    if cfg.kd_alpha >= 1.0 and has_teacher:
+        raise ConfigError("train.kd_alpha: the model's BERT serves only as a KD teacher, but train.kd_alpha=1 turns "
+                          "KD off; set train.kd_alpha < 1 (0.9 in the PLM-sponsored paper) or leave model.bert empty")
+
+
+__all__ = ["LossOut", "label_smoothed_nll", "kd_mse", "with_kd", "training_loss", "check_kd", "KD_EXTRAS"]

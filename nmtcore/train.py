@@ -9,14 +9,20 @@ fairseq semantics throughout: the summed loss of an update is divided by its num
 Adam + inverse-sqrt schedule with the rate set per update, token-budget batches reshuffled per epoch
 from ``(seed, epoch)``. Checkpoints hold everything needed to continue bit-identically: model,
 optimizer, update counter, early-stopping state and the torch RNG state (dropout).
+
+Phases are data (BERT-JAM Section 2.4): a schedule of :class:`~nmtcore.config.PhaseConfig` (``train.phases``,
+else the model's ``default_phases()``) that the loop reads at epoch boundaries — which named parameter
+groups train, the GLU scale told to the model, early stopping — see "phases and warm starts" below.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,12 +35,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nmtcore import beam_search, bleu
-from nmtcore.checkpoint import (average_checkpoints, epoch_checkpoints, load_checkpoint, load_model_weights,
-                                remove_checkpoint, save_checkpoint)
-from nmtcore.config import DecodeConfig, ExperimentConfig
+from nmtcore.checkpoint import (CheckpointError, average_checkpoints, epoch_checkpoints, load_checkpoint,
+                                load_model_weights, remove_checkpoint, save_checkpoint)
+from nmtcore.config import ConfigError, DecodeConfig, ExperimentConfig, PhaseConfig
 from nmtcore.devices import autocast, autocast_dtype, default_device
 from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate, inference_batches, prepare_data
-from nmtcore.losses import label_smoothed_nll
+from nmtcore.bert import ensure_bert, prepare_bert_inputs
+from nmtcore.losses import check_kd, label_smoothed_nll, training_loss
 from nmtcore.models import NMTModel, build_model
 from nmtcore.optim import InverseSqrtSchedule, build_optimizer
 
@@ -78,31 +85,57 @@ class Trainer:
         self.data = data
         self.device = device or default_device()
         self.model = model.to(self.device)
+        # BERT hook (nmtcore.bert): a model owning a BertLayer gets its BERT stream (and, frozen, the cached
+        # features) on every split; KD without a teacher (or a teacher without KD) fails here.
+        prepare_bert_inputs(self.model, data)
+        check_kd(cfg.train, self.model)
         self.callbacks = list(callbacks)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.ddp_model: torch.nn.Module = self.model
-        if self.world_size > 1:
-            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._wrap_ddp()
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.schedule = InverseSqrtSchedule(cfg.train)
         self.state = TrainState()
+        self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
+        self.phase_index = -1  # -1: the single implicit phase (no schedule)
+        if self.phases:
+            self.enter_phase(0)
         self.save_dir = Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints").resolve()
         self.train_tokens_per_s = 0.0
+
+    def _wrap_ddp(self) -> None:
+        if self.world_size > 1:  # (re)built after a phase change: DDP registers the trainable set once
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------ phases
+    def enter_phase(self, index: int) -> None:
+        """Switch to phase ``index``: set requires_grad per parameter group, tell the model
+        (``set_phase``), and rebuild the optimizer — its state is reset at a phase change, as the original
+        BERT-JAM code; the LR schedule's update counter carries over."""
+        phase = self.phases[index]
+        counts = apply_phase(self.model, phase)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.train)
+        self._wrap_ddp()
+        self.phase_index = index
+        log.info("phase %d/%d %r: trainable %s (%s parameters per group), glu_scale %g", index + 1,
+                 len(self.phases), phase.name, list(phase.trainable), counts, phase.glu_scale)
 
     # ------------------------------------------------------------------ batches
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         split = self.data.splits[self.cfg.data.train_split]
         dc = self.cfg.data
         for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size):
+                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
+                                 bert_lens=split.bert_lens):
             yield self.collate(split, idx)
 
     def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
         dc = self.cfg.data
-        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False):
+        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False,
+                                 bert_lens=split.bert_lens):
             yield self.collate(split, idx)
 
     def collate(self, split: EncodedSplit, idx: np.ndarray) -> Batch:
@@ -124,8 +157,7 @@ class Trainer:
             with ctx:
                 with autocast(self.amp_dtype, self.device):
                     out = self.ddp_model(batch)
-                lo = label_smoothed_nll(out.logits, batch.tgt_out, self.cfg.train.label_smoothing,
-                                        self.data.vocab.pad_id)
+                lo = training_loss(out.logits, out.extras, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id)
                 lo.loss.backward()
             loss_sum += lo.loss.item()
             nll_sum += lo.nll.item()
@@ -262,9 +294,11 @@ class Trainer:
         if ckpt["vocab"]["checksum"] != self.data.vocab.checksum:
             raise RuntimeError(f"{source}: vocabulary {ckpt['vocab']['checksum'][:12]} differs from this run's "
                                f"{self.data.vocab.checksum[:12]}")
+        ts = ckpt["train_state"]
+        if self.phases:  # the optimizer state saved belongs to the phase of the saved epoch
+            self.enter_phase(phase_index(self.phases, max(ts["epoch"], 1)))
         load_model_weights(self.model, ckpt["model"], source)
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        ts = ckpt["train_state"]
         self.state = TrainState(epoch=ts["epoch"], num_updates=ts["num_updates"],
                                 best_valid_loss=ts["best_valid_loss"], best_epoch=ts["best_epoch"],
                                 bad_epochs=ts["bad_epochs"], history=list(ts["history"]))
@@ -278,14 +312,21 @@ class Trainer:
             cb.on_train_start(self)
         t0 = time.perf_counter()
         stop_reason = "max_epochs"
-        while self.state.epoch < tc.max_epochs:
+        last_epoch = min(tc.max_epochs, schedule_length(self.phases))
+        while self.state.epoch < last_epoch:
             if tc.max_updates and self.state.num_updates >= tc.max_updates:
                 stop_reason = "max_updates"
                 break
             epoch = self.state.epoch + 1
+            if self.phases and phase_index(self.phases, epoch) != self.phase_index:
+                self.enter_phase(phase_index(self.phases, epoch))
+                # Early stopping and "best" restart with each phase: the final model comes from the last.
+                self.state.best_valid_loss, self.state.bad_epochs = math.inf, 0
             metrics = self.train_epoch(epoch)
             metrics.update(self.validate())
             metrics["epoch"] = float(epoch)
+            if self.phases:
+                metrics["phase"] = float(self.phase_index + 1)
             self.state.epoch = epoch
             if metrics["valid_loss"] < self.state.best_valid_loss:
                 self.state.best_valid_loss, self.state.best_epoch, self.state.bad_epochs = metrics["valid_loss"], epoch, 0
@@ -296,14 +337,16 @@ class Trainer:
             log.info("epoch %d: %s", epoch, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             for cb in self.callbacks:
                 cb.on_epoch_end(self, epoch, metrics, path)
-            if tc.patience and self.state.bad_epochs >= tc.patience:
+            early_stop = not self.phases or self.phases[self.phase_index].early_stop
+            if tc.patience and early_stop and self.state.bad_epochs >= tc.patience:
                 stop_reason = f"early_stopping(patience={tc.patience})"
                 break
         else:
-            stop_reason = "max_epochs"
+            stop_reason = "max_epochs" if last_epoch == tc.max_epochs else "end_of_schedule"
         if tc.max_updates and self.state.num_updates >= tc.max_updates:
             stop_reason = "max_updates"
         summary = {"epochs": self.state.epoch, "num_updates": self.state.num_updates, "stop_reason": stop_reason,
+                   **({"phase": self.phases[self.phase_index].name} if self.phases else {}),
                    "best_epoch": self.state.best_epoch, "best_valid_loss": self.state.best_valid_loss,
                    "fit_wall_s": time.perf_counter() - t0}
         return summary
@@ -312,6 +355,9 @@ class Trainer:
         """Load the weights used for testing: the average of the last ``average_last`` epoch checkpoints
         if set, else the best epoch (lowest validation loss). Returns a description."""
         ckpts = epoch_checkpoints(self.save_dir)
+        if self.phases:  # average within the last phase only (BERT-JAM: the last epochs of phase 3)
+            first = phase_start(self.phases, self.phase_index)
+            ckpts = [p for p in ckpts if int(p.stem.removeprefix("epoch")) >= first]
         if self.cfg.train.average_last > 1 and len(ckpts) >= 2:
             chosen = ckpts[-self.cfg.train.average_last:]
             self.model.load_state_dict(average_checkpoints(chosen))
@@ -325,6 +371,116 @@ class Trainer:
             load_model_weights(self.model, load_checkpoint(best)["model"], str(best))
             return best.name
         return f"epoch{self.state.epoch}.pt (last)"
+
+
+# ---------------------------------------------------------------------- phases and warm starts
+def schedule_of(cfg: ExperimentConfig, model: torch.nn.Module) -> tuple[PhaseConfig, ...]:
+    """The phase schedule: ``train.phases``, else the model's ``default_phases()``, else () (one implicit
+    phase that leaves ``requires_grad`` as the model set it)."""
+    if cfg.train.phases:
+        return cfg.train.phases
+    default = getattr(model, "default_phases", None)
+    phases = tuple(default()) if default is not None else ()
+    if phases:  # the model's schedule goes through the same validation as a configured one
+        dataclasses.replace(cfg.train, phases=phases)
+    return phases
+
+
+def phase_start(phases: tuple[PhaseConfig, ...], index: int) -> int:
+    """First epoch (1-based) of phase ``index``."""
+    return 1 + sum(p.epochs for p in phases[:index])
+
+
+def phase_index(phases: tuple[PhaseConfig, ...], epoch: int) -> int:
+    """The phase epoch ``epoch`` (1-based) belongs to (the last one past the schedule's end)."""
+    for i in range(len(phases)):
+        if phases[i].epochs == 0 or epoch < phase_start(phases, i) + phases[i].epochs:
+            return i
+    return len(phases) - 1
+
+
+def schedule_length(phases: tuple[PhaseConfig, ...]) -> float:
+    """Total epochs of the schedule; inf without one or with an open-ended last phase."""
+    if not phases or phases[-1].epochs == 0:
+        return math.inf
+    return sum(p.epochs for p in phases)
+
+
+def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The model's named parameter groups (``model.parameter_groups()``; a model without one is a single
+    ``nmt`` group). Every parameter must be in exactly one group."""
+    groups = model.parameter_groups() if hasattr(model, "parameter_groups") else {"nmt": list(model.parameters())}
+    seen: dict[int, str] = {}
+    for name, params in groups.items():
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"parameter in groups {seen[id(p)]!r} and {name!r} of {type(model).__name__}")
+            seen[id(p)] = name
+    if len(seen) != len({id(p) for p in model.parameters()}):
+        raise ValueError(f"{type(model).__name__}.parameter_groups() leaves parameters out")
+    return groups
+
+
+def apply_phase(model: torch.nn.Module, phase: PhaseConfig) -> dict[str, int]:
+    """Make exactly the groups ``phase.trainable`` trainable and call ``model.set_phase(phase)`` if the
+    model has it. Returns trainable parameter counts per group."""
+    groups = parameter_groups(model)
+    unknown = sorted(set(phase.trainable) - set(groups))
+    if unknown:
+        raise ConfigError(f"train.phases[{phase.name}].trainable: unknown parameter group(s) {unknown}; "
+                          f"{type(model).__name__} has {sorted(groups)}")
+    for name, params in groups.items():
+        for p in params:
+            p.requires_grad_(name in phase.trainable)
+    if hasattr(model, "set_phase"):
+        model.set_phase(phase)
+    return {name: sum(p.numel() for p in params if p.requires_grad) for name, params in groups.items()}
+
+
+@dataclass
+class WarmStart:
+    """What :func:`warm_start` did: parameter names loaded from the checkpoint and those left as built."""
+
+    loaded: list[str]
+    fresh: list[str]
+
+
+# Fields that must agree between a warm-start checkpoint and the model (else shapes or semantics differ).
+_WARM_START_FIELDS = ("encoder_layers", "decoder_layers", "d_model", "ffn_dim", "heads", "share_embeddings",
+                      "pre_norm", "activation")
+
+
+def warm_start(model: torch.nn.Module, path: str | os.PathLike, cfg: ExperimentConfig, vocab: Any) -> WarmStart:
+    """Initialise ``model`` from a trained checkpoint (BERT-fused / BERT-JAM's warm start from a baseline).
+
+    Every tensor of the checkpoint must exist in the model with the same shape; model tensors it lacks
+    (BERT attention, GLU, the pretrained BERT itself) keep their construction values and are reported.
+    Raises :class:`CheckpointError` naming the mismatch on a different vocabulary, a differing dimension
+    field (``model.d_model``...) or a tensor whose shape or name does not fit.
+    """
+    ckpt = load_checkpoint(Path(path))
+    if "vocab" in ckpt and ckpt["vocab"]["checksum"] != vocab.checksum:
+        raise CheckpointError(f"{path}: vocabulary {ckpt['vocab']['checksum'][:12]} differs from this run's "
+                              f"{vocab.checksum[:12]} (warm start needs the baseline's data and vocab settings)")
+    theirs = ckpt.get("config", {}).get("model", {})
+    for key in _WARM_START_FIELDS:
+        if key in theirs and theirs[key] != getattr(cfg.model, key):
+            raise CheckpointError(f"{path}: model.{key} is {theirs[key]!r} in the checkpoint but "
+                                  f"{getattr(cfg.model, key)!r} here")
+    own = model.state_dict()
+    state = ckpt["model"]
+    for k, v in state.items():
+        if k not in own:
+            raise CheckpointError(f"{path}: checkpoint tensor {k} has no counterpart in {type(model).__name__}")
+        if own[k].shape != v.shape:
+            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)} in the checkpoint, model expects "
+                                  f"{tuple(own[k].shape)} (different vocabulary or dimensions?)")
+    model.load_state_dict({**own, **state})
+    fresh = [k for k in own if k not in state]
+    log.info("warm start from %s: %d tensors loaded, %d kept as built: %s", path, len(state), len(fresh),
+             sorted({re.sub(r"\.\d+\.", ".*.", k) for k in fresh if not k.startswith("bert.bert.")})
+             + (["bert.bert.* (pretrained BERT)"] if any(k.startswith("bert.bert.") for k in fresh) else []))
+    return WarmStart(loaded=list(state), fresh=fresh)
 
 
 def _progress(epoch: int, rank: int):
@@ -357,13 +513,19 @@ def run_experiment(cfg: ExperimentConfig, callbacks: list[Callback] | tuple[Call
                    data: PreparedData | None = None) -> dict[str, Any]:
     """Prepare data, build the registered model, train (resuming if checkpoints exist), then decode
     every test split with ``cfg.decode`` and score it. Returns a summary with test BLEU/chrF."""
+    cfg = ensure_bert(cfg)  # resolve (or pretrain here) the experiment's BERT before the model is built
     setup_torch(cfg)
     data = data or prepare_data(cfg.data)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
     trainer = Trainer(cfg, model, data, callbacks, device)
     resumed = trainer.resume() if resume else False
+    if cfg.train.init_from and not resumed:
+        summary_warm = warm_start(trainer.model, cfg.train.init_from, cfg, data.vocab)
     summary = trainer.fit()
     summary["resumed"] = resumed
+    if cfg.train.init_from and not resumed:
+        summary["warm_start"] = {"from": cfg.train.init_from, "loaded": len(summary_warm.loaded),
+                                 "fresh": len(summary_warm.fresh)}
     summary["final_model"] = trainer.finalize_model()
     summary["parameters"] = sum(p.numel() for p in model.parameters())
     summary["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)

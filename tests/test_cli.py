@@ -78,3 +78,29 @@ def test_bad_input_is_one_line_and_exit_2(args, culprit, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     err = r.stderr.strip()
     assert err.startswith("nmtcore: error: ") and "\n" not in err and culprit in err, err
+
+
+def test_sigterm_ends_the_mlflow_run_killed_and_keeps_checkpoints(tmp_path):
+    import signal
+    import time
+
+    data = write_corpus(tmp_path / "data", n_train=1500)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmtcore.cli", "train", "--data-dir", str(data), "--output-dir", str(tmp_path / "run"),
+         "--tracking-uri", uri, "--experiment", "sigterm", "--set", "data.corpus=parallel", "data.src_lang=xx",
+         "data.tgt_lang=yy", "data.valid_split=valid", "data.test_splits=test", "data.vocab_size=96",
+         f"data.cache_dir={tmp_path / 'cache'}", "model.encoder_layers=1", "model.decoder_layers=1",
+         "model.d_model=32", "model.ffn_dim=64", "train.max_epochs=1000", "train.num_threads=1",
+         "train.valid_bleu=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = tmp_path / "run" / "checkpoints" / "epoch1.pt.sha256"
+    deadline = time.time() + 300
+    while not ckpt.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert ckpt.exists(), proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    runs = tracking.load_runs(experiment="sigterm", tracking_uri=uri)
+    assert [r.status for r in runs] == ["KILLED"], err[-2000:]
+    assert epoch_checkpoints(tmp_path / "run" / "checkpoints")  # the resume point survived

@@ -82,3 +82,16 @@ def test_bad_override_syntax():
         parse_overrides(["train.lr"])
     with pytest.raises(ConfigError, match="train.lr.x: unknown key"):
         preset("multi30k_small").with_overrides({"train.lr.x": 1})
+
+
+def test_switching_model_family_keeps_shared_dims_and_bert():
+    from nmtcore.models import MODEL_REGISTRY
+
+    other = next((n for n in MODEL_REGISTRY if n != "transformer"), None)
+    if other is None:
+        pytest.skip("only the transformer is registered")
+    cfg = preset("multi30k_small").with_overrides({"model.bert.name": "minilm"}).with_overrides(
+        {"model.name": other})
+    assert cfg.model.name == other and type(cfg.model) is MODEL_REGISTRY[other][0]
+    assert (cfg.model.d_model, cfg.model.encoder_layers, cfg.model.ffn_dim) == (256, 3, 1024)
+    assert cfg.model.bert.name == "minilm"

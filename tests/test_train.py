@@ -47,13 +47,14 @@ def test_learning_synthetic_translation(tmp_path):
     """A tiny model learns mapping + reordering on one CPU thread: test BLEU >= 90 within 90 s."""
     cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 30, "train.num_threads": 1, "train.lr": 5e-3,
                                        "train.warmup_updates": 100, "data.max_tokens": 300})
-    t0 = time.perf_counter()
+    # CPU time of this process on one thread: "90 s on one core", unaffected by other load on the machine.
+    t0 = time.process_time()
     summary = run_experiment(cfg)
-    wall = time.perf_counter() - t0
+    cpu = time.process_time() - t0
     torch.set_num_threads(2)
     bleu = summary["test"]["test"]["bleu"]
     assert bleu >= 90, summary
-    assert wall < 90, f"took {wall:.0f} s"
+    assert cpu < 90, f"took {cpu:.0f} CPU seconds"
 
 
 def test_resume_continues_bit_identically(tmp_path):

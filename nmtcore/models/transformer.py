@@ -4,17 +4,23 @@ Post-norm by default (``model.pre_norm`` switches), embeddings scaled by sqrt(d)
 positions, one embedding matrix shared by source, target and the output projection (joint vocabulary),
 dropout / attention dropout / activation dropout as fairseq. Every BERT-enhanced model in the zoo is
 measured against this one, and warm-starts from its checkpoints.
+
+With ``model.bert`` set, the baseline distils from that BERT when ``train.kd_alpha < 1`` (CTNMT;
+PLM-sponsored NMT Eq. 4-5): :class:`~nmtcore.bert.BertKD` projects the top (or M/2) encoder state to
+BERT's width and ``forward`` returns it with the teacher's states as extras for
+:func:`nmtcore.losses.training_loss`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtcore.bert import BertKD
 from nmtcore.config import ModelConfig
 from nmtcore.layers import DecoderLayer, EncoderLayer, SinusoidalPositions
 from nmtcore.models.base import DecoderState, EncoderOut, ModelOutput, NMTModel
@@ -24,6 +30,11 @@ if TYPE_CHECKING:
 
 
 class Transformer(NMTModel):
+    # What ``model.bert`` is to this class: "teacher" = a KD teacher only (the baseline: CTNMT-style
+    # distillation, nmtcore.bert.BertKD; it never enters encode(), so decoding is unchanged); "input" = a
+    # family that fuses BERT and owns its BertLayer itself.
+    bert_role: ClassVar[str] = "teacher"
+
     def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -43,6 +54,7 @@ class Transformer(NMTModel):
         # Pre-norm stacks end with a LayerNorm (their residual stream is never normalised otherwise).
         self.encoder_norm = nn.LayerNorm(d) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d) if cfg.pre_norm else nn.Identity()
+        self.kd = BertKD(cfg.bert, d, cfg.encoder_layers) if cfg.bert.enabled and self.bert_role == "teacher" else None
 
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
@@ -61,12 +73,17 @@ class Transformer(NMTModel):
             x = layer(x, enc_out.out, enc_out.mask, cache=state.layers[i] if state is not None else None)
         return self.decoder_norm(x)
 
+    def run_encoder(self, batch: "Batch") -> list[Tensor]:
+        """Encoder states [embeddings, layer 1, …, layer M], each (B, S, C); the top one normalised."""
+        states = [self.embed(batch.src, self.src_embed)]  # (B, S, C)
+        for layer in self.encoder_layers:
+            states.append(layer(states[-1], batch.src_mask))
+        states[-1] = self.encoder_norm(states[-1])
+        return states
+
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
-        x = self.embed(batch.src, self.src_embed)  # (B, S, C)
-        for layer in self.encoder_layers:
-            x = layer(x, batch.src_mask)
-        return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask)
+        return EncoderOut(out=self.run_encoder(batch)[-1], mask=batch.src_mask)
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:
         return DecoderState.empty(len(self.decoder_layers))
@@ -77,6 +94,10 @@ class Transformer(NMTModel):
         return self.output_logits(h[:, -1])  # (B, V)
 
     def forward(self, batch: "Batch") -> ModelOutput:
-        enc_out = self.encode(batch)
+        states = self.run_encoder(batch)
+        enc_out = EncoderOut(out=states[-1], mask=batch.src_mask)
         h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})
+        extras = {"enc_out": enc_out.out, "dec_hidden": h}
+        if self.kd is not None and self.training:  # KD shapes training only; validation loss stays L_NMT
+            extras.update(self.kd(batch, states[self.kd.student_layer]))
+        return ModelOutput(logits=self.output_logits(h), extras=extras)

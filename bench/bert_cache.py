@@ -1,0 +1,88 @@
+"""Epoch time of a BERT-consuming model on Multi30k with the frozen-feature cache vs recomputing BERT
+every step (the original BERT-fused code's behaviour, bert-nmt issue #18), and vs the plain baseline
+epoch, measured side by side in one run.
+
+The BERT-consuming model is the baseline distilling from a frozen BERT (``train.kd_alpha=0.9``,
+``model.bert.name=minilm`` by default): the same Transformer plus the BERT stream, the teacher's states
+pooled per NMT token, a projection and the KD loss. All three runs train one full epoch of the
+``multi30k_small`` preset (the trainer's own batches, same seed) through ``Trainer.train_epoch``. The
+cache is built (or found) before the cached epoch starts; its one-time cost is printed on its own line.
+Bar (the issue): cached epoch <= 1.3 x baseline epoch.
+
+  python bench/bert_cache.py --data-dir ../shared/data [--threads 2] [--bert minilm] [--max-updates N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nmtcore.config import preset
+from nmtcore.data import prepare_data
+from nmtcore.models import build_model
+from nmtcore.train import Trainer, setup_torch
+
+
+def epoch(cfg, data, label: str) -> dict[str, float]:
+    """Build the model and trainer (BERT stream and cache included), then time one training epoch."""
+    setup_torch(cfg)
+    t0 = time.perf_counter()
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    setup_s = time.perf_counter() - t0
+    m = trainer.train_epoch(1)
+    print(f"{label}: epoch_s={m['train_wall_s']:.1f} updates={int(m['num_updates'])} "
+          f"tgt_tokens={int(m['train_tokens'])} tgt_tok_per_s={m['train_tokens_per_s']:.0f} "
+          f"setup_s={setup_s:.1f} (model build + BERT stream + cache build/load) loadavg={os.getloadavg()[0]:.1f}",
+          flush=True)
+    return {"epoch_s": m["train_wall_s"], "setup_s": setup_s}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bert", default="minilm", help="model.bert.name of the BERT-consuming model")
+    p.add_argument("--precision", default="auto", help="train.precision (auto = bf16 where the CPU has it)")
+    p.add_argument("--max-updates", type=int, default=0, help="time only the first N updates of each epoch")
+    p.add_argument("--fresh-cache", action="store_true", help="delete the feature cache first (time its build)")
+    p.add_argument("--smoke-test", action="store_true", help="a few updates each, to check the script runs")
+    args = p.parse_args()
+    updates = 5 if args.smoke_test else args.max_updates
+    base = preset("multi30k_small").with_overrides({
+        "data.data_dir": args.data_dir, "data.download": False, "train.num_threads": args.threads,
+        "train.precision": args.precision, "train.max_updates": updates, "train.valid_bleu": False,
+        "output_dir": "bench/out/bert_cache"})
+    setup_torch(base)
+    data = prepare_data(base.data)
+    cache = base.data.resolved_cache_dir() / "bert_features"
+    if args.fresh_cache and cache.exists():
+        shutil.rmtree(cache)
+    kd = {"train.kd_alpha": 0.9, "model.bert.name": args.bert}
+    m = base.model
+    print(f"threads={torch.get_num_threads()} precision={args.precision} model={m.encoder_layers}+{m.decoder_layers} "
+          f"d={m.d_model} vocab={len(data.vocab)} max_tokens={base.data.max_tokens} "
+          f"train_sentences={len(data.train)} bert={args.bert} (KD teacher, alpha 0.9) "
+          f"updates_per_run={'full epoch' if not updates else updates}", flush=True)
+
+    baseline = epoch(base, data, "baseline (no BERT)")
+    cached = epoch(base.with_overrides(kd), data, "BERT, cached features")
+    size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy")) / 2**20 if cache.exists() else 0.0
+    print(f"feature cache: {cache} ({size:.0f} MiB on disk); first-time build is part of the setup_s above "
+          "(0 s extra once cached: reused across epochs, phases and sweep trials)", flush=True)
+    recompute = epoch(base.with_overrides({**kd, "model.bert.use_cache": False}), data, "BERT, recomputed every step")
+
+    print(f"RESULT cached/baseline={cached['epoch_s'] / baseline['epoch_s']:.3f} (bar <= 1.3) "
+          f"recompute/baseline={recompute['epoch_s'] / baseline['epoch_s']:.3f} "
+          f"recompute/cached={recompute['epoch_s'] / cached['epoch_s']:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The frozen-feature cache: hit/miss/invalidation, atomic writes (a killed writer leaves nothing usable),
+identical features with and without it, automatic bypass while BERT is fine-tuned or its weights changed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nmtcore.bert import BertLayer, prepare_bert_inputs, word_start_table
+from nmtcore.bert_cache import FeatureCache, FeatureKey, inputs_checksum
+from nmtcore.config import BertConfig
+from nmtcore.data import BertInputs, collate, prepare_data
+from tests.bert_fixtures import save_tiny_bert
+from tests.synthetic import tiny_experiment
+
+PAD, BOS, EOS = 0, 2, 3
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def toy_inputs(n: int = 9, seed: int = 0) -> BertInputs:
+    rng = np.random.default_rng(seed)
+    ids = [np.concatenate([[2], rng.integers(5, 30, rng.integers(1, 12)), [3]]).astype(np.int32) for _ in range(n)]
+    return BertInputs(ids=ids, segments=[np.zeros(len(s), np.int8) for s in ids],
+                      align=[np.zeros((1, 2), np.int32) for _ in ids], pad_id=0)
+
+
+class CountingBert:
+    """A deterministic stand-in for BERT that counts its calls: state = id + layer offset."""
+
+    def __init__(self, layers: tuple[int, ...] = (0, 2)) -> None:
+        self.calls, self.layers = 0, layers
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        assert not mask[:, 0].any()  # right padding: position 0 is always a real token
+        base = ids.float()[..., None, None] + torch.tensor(self.layers, dtype=torch.float)[:, None]  # (B, T, K, 1)
+        return base.expand(-1, -1, -1, 4) / 8  # (B, T, K, 4)
+
+
+def key_for(inputs: BertInputs, **kw) -> FeatureKey:
+    base = dict(bert="w" * 64, inputs=inputs_checksum(inputs), layers=(0, 2), max_length=64)
+    return FeatureKey(**{**base, **kw})
+
+
+def test_miss_then_hit_and_rows(tmp_path: Path) -> None:
+    inputs, bert = toy_inputs(), CountingBert()
+    cache = FeatureCache(tmp_path)
+    store = cache.get_or_build(key_for(inputs), inputs, bert, batch_tokens=30)
+    built_calls = bert.calls
+    assert built_calls > 1  # several batches
+    again = FeatureCache(tmp_path).get_or_build(key_for(inputs), inputs, bert)
+    assert bert.calls == built_calls  # a hit computes nothing
+    for i in range(len(inputs)):
+        expect = (inputs.ids[i][:, None, None] + np.array([0, 2])[:, None]) / 8  # (len, K, 1)
+        np.testing.assert_array_equal(again.rows(i), np.broadcast_to(expect, (len(inputs.ids[i]), 2, 4)).astype(np.float16))
+    g = store.gather(np.array([3, 0]), 20)  # (2, 20, K, H), zero right padding
+    assert g.shape == (2, 20, 2, 4) and g.dtype == torch.float16
+    assert not g[0, len(inputs.ids[3]):].any()
+    sub = store.select(np.array([4, 1]))
+    np.testing.assert_array_equal(sub.rows(1), store.rows(1))
+
+
+@pytest.mark.parametrize("change", [{"bert": "v" * 64}, {"layers": (2,)}, {"max_length": 32}, "inputs"])
+def test_any_key_change_is_a_miss(tmp_path: Path, change) -> None:
+    inputs, bert = toy_inputs(), CountingBert()
+    cache = FeatureCache(tmp_path)
+    cache.get_or_build(key_for(inputs), inputs, bert)
+    n = bert.calls
+    if change == "inputs":  # another split / corpus / tokenizer / context: another token stream
+        other = toy_inputs(seed=1)
+        key = key_for(other)
+        assert key != key_for(inputs)
+        cache.get_or_build(key, other, bert)
+    else:
+        key = key_for(inputs, **change)
+        if "layers" in change:
+            bert = CountingBert(change["layers"])
+            n = 0
+        cache.get_or_build(key, inputs, bert)
+    assert bert.calls > n
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+def test_corrupt_entry_is_rebuilt(tmp_path: Path) -> None:
+    inputs, bert = toy_inputs(), CountingBert()
+    cache = FeatureCache(tmp_path)
+    key = key_for(inputs)
+    cache.get_or_build(key, inputs, bert)
+    feats = cache.entry(key) / "features.npy"
+    feats.write_bytes(feats.read_bytes()[:-64])  # truncated
+    assert cache.load(key) is None
+    n = bert.calls
+    store = cache.get_or_build(key, inputs, bert)
+    assert bert.calls > n and store.features.shape[0] == int(inputs.lens.sum())
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from tests.test_bert_cache import CountingBert, key_for, toy_inputs
+    from nmtcore.bert_cache import FeatureCache
+
+    marker = Path({marker!r})
+    bert = CountingBert()
+    def slow(ids, mask, seg):
+        out = bert(ids, mask, seg)
+        if bert.calls == 2:
+            marker.write_text("half written")
+            time.sleep(60)  # killed here, mid-write
+        return out
+    inputs = toy_inputs()
+    FeatureCache(Path({cache!r})).get_or_build(key_for(inputs), inputs, slow, batch_tokens=30)
+""")
+
+
+def test_killed_write_leaves_no_usable_entry(tmp_path: Path) -> None:
+    cache_dir, marker = tmp_path / "cache", tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(root=str(ROOT), marker=str(marker),
+                                                                        cache=str(cache_dir))])
+    try:
+        deadline = time.time() + 50
+        while not marker.exists():
+            assert proc.poll() is None, "writer died before reaching the middle of its write"
+            assert time.time() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    inputs = toy_inputs()
+    cache = FeatureCache(cache_dir)
+    key = key_for(inputs)
+    leftovers = list(cache_dir.glob(f".tmp-{key.digest()}-*"))
+    assert leftovers and (leftovers[0] / "features.npy").exists()  # half a file exists ...
+    assert not cache.entry(key).exists() and cache.load(key) is None  # ... but is never used
+    bert = CountingBert()
+    store = cache.get_or_build(key, inputs, bert)  # the next run builds it and clears the leftover
+    assert bert.calls > 0 and store.features.shape[0] == int(inputs.lens.sum())
+    assert not list(cache_dir.glob(f".tmp-{key.digest()}-*"))
+
+
+# ---------------------------------------------------------------------------------------------- with a BERT
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("cache")
+    bert_dir = save_tiny_bert(tmp / "bert")
+    cfg = tiny_experiment(tmp, **{"data.max_tokens": 300})
+    data = prepare_data(cfg.data)
+    return bert_dir, cfg, data
+
+
+def test_frozen_features_identical_with_and_without_cache(setup, caplog: pytest.LogCaptureFixture) -> None:
+    bert_dir, cfg, data = setup
+    layer = BertLayer(BertConfig(name=str(bert_dir)))
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+        prepare_bert_inputs(layer, data)
+    split = data.splits["valid"]
+    assert split.bert.features is not None
+    idx = np.arange(0, 40, 3)
+    batch = collate(split, idx, PAD, BOS, EOS)
+    assert batch.extras["bert_features"].dtype == torch.float16
+    layer.train()  # a training step: still served from the cache, still dropout-free
+    cached = layer(batch).last
+    del batch.extras["bert_features"]
+    direct = layer(batch).last
+    keep = ~batch.extras["bert_mask"]
+    assert cached.dtype == torch.float32
+    torch.testing.assert_close(cached[keep], direct[keep], rtol=2e-3, atol=2e-3)  # fp16 storage
+    same = (cached[keep] == direct[keep].half().float()).float().mean()
+    assert same > 0.99  # bit-identical after fp16 rounding, up to rounding-boundary ties
+
+    # A second "trial": a new BertLayer on the same cache directory loads, computes nothing.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+        prepare_bert_inputs(BertLayer(BertConfig(name=str(bert_dir))), data)
+    assert sum("cache hit" in r.message for r in caplog.records) == len(data.splits)
+    assert not any("computed" in r.message for r in caplog.records)
+
+
+def test_cache_bypassed_when_fine_tuned_or_weights_changed(setup) -> None:
+    bert_dir, cfg, data = setup
+    layer = BertLayer(BertConfig(name=str(bert_dir)))
+    prepare_bert_inputs(layer, data)
+    batch = collate(data.splits["valid"], np.arange(8), PAD, BOS, EOS)
+    batch.extras["bert_features"] = torch.full_like(batch.extras["bert_features"], 7.0)  # recognisable
+    assert layer.features_usable and (layer(batch).last == 7.0).all()
+
+    # Checkpoint load with other weights: the features no longer describe this BERT.
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    changed = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}
+    layer.load_state_dict(changed)
+    assert not layer.features_usable and not (layer(batch).last == 7.0).all()
+    layer.load_state_dict(state)
+    assert layer.features_usable
+
+    # Unfrozen (fine-tuning phase): BERT runs, and its weights count as changed from then on.
+    layer.bert.requires_grad_(True)
+    layer.train()
+    out = layer(batch).last
+    assert out.requires_grad and not (out == 7.0).all()
+    layer.bert.requires_grad_(False)
+    assert not layer.features_usable  # frozen again, but the weights moved on: never the old features
+
+    # A BERT configured trainable never gets cached features in the first place.
+    tuned = BertLayer(BertConfig(name=str(bert_dir), freeze=False))
+    prepare_bert_inputs(tuned, data)
+    assert data.splits["valid"].bert.features is None
+    assert "bert_features" not in collate(data.splits["valid"], np.arange(4), PAD, BOS, EOS).extras
+
+
+def test_model_without_bert_clears_the_stream(setup) -> None:
+    bert_dir, cfg, data = setup
+    prepare_bert_inputs(BertLayer(BertConfig(name=str(bert_dir))), data)
+    assert data.splits["train"].bert is not None
+    prepare_bert_inputs(torch.nn.Linear(2, 2), data)
+    assert all(s.bert is None for s in data.splits.values())
+
+
+def test_feature_store_follows_select(setup) -> None:
+    bert_dir, cfg, data = setup
+    layer = BertLayer(BertConfig(name=str(bert_dir)))
+    prepare_bert_inputs(layer, data)
+    split = data.splits["valid"]
+    sub = split.select([5, 2])
+    a = collate(sub, np.array([0, 1]), PAD, BOS, EOS).extras["bert_features"]
+    b = collate(split, np.array([5, 2]), PAD, BOS, EOS).extras["bert_features"]
+    assert torch.equal(a, b)
+    assert word_start_table(data.vocab).dtype == bool
+    assert replace(cfg.data).resolved_cache_dir() in split.bert.features.path.parents

@@ -1,0 +1,133 @@
+"""KD from BERT: hand-computed loss values, α validation, which student state is distilled, gradients,
+and the baseline + KD end to end through the trainer and the CLI (tiny BERT, cached features)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from nmtcore.bert import BertKD
+from nmtcore.config import ConfigError, TrainConfig
+from nmtcore.data import prepare_data
+from nmtcore.losses import LossOut, check_kd, kd_mse, label_smoothed_nll, training_loss, with_kd
+from nmtcore.models import build_model
+from nmtcore.train import Trainer, run_experiment, setup_torch
+from tests.bert_fixtures import save_tiny_bert
+from tests.synthetic import tiny_experiment
+
+
+def test_kd_mse_by_hand() -> None:
+    student = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]]])  # (1, 3, 2)
+    teacher = torch.tensor([[[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]])
+    # Positions 0 and 1 kept: ((1 + 4) + (4 + 9)) / (2 positions * 2 units) = 4.5
+    assert kd_mse(student, teacher, torch.tensor([[False, False, True]])).item() == pytest.approx(4.5)
+    assert kd_mse(student, teacher, torch.tensor([[False, True, True]])).item() == pytest.approx(2.5)
+    none = kd_mse(student.requires_grad_(), teacher, torch.ones(1, 3, dtype=torch.bool))
+    assert none.item() == 0.0 and none.requires_grad
+    with pytest.raises(ValueError, match="do not match"):
+        kd_mse(student, teacher[:, :2], torch.zeros(1, 3, dtype=torch.bool))
+
+
+def test_eq5_combination_by_hand() -> None:
+    nmt = LossOut(loss=torch.tensor(10.0), nll=torch.tensor(8.0), n_tokens=5)  # mean L_NMT = 2
+    out = with_kd(nmt, torch.tensor(2.5), alpha=0.9)
+    # The trainer divides by n_tokens: 0.9 * 2 + 0.1 * 2.5 = 2.05
+    assert (out.loss / out.n_tokens).item() == pytest.approx(2.05)
+    assert out.nll.item() == 8.0 and out.kd.item() == 2.5
+    assert with_kd(nmt, torch.tensor(2.5), alpha=1.0).loss.item() == pytest.approx(10.0)
+    assert with_kd(nmt, torch.tensor(2.5), alpha=0.0).loss.item() == pytest.approx(12.5)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="train.kd_alpha"):
+            with_kd(nmt, torch.tensor(1.0), alpha=bad)
+        with pytest.raises(ConfigError, match="train.kd_alpha: must be in \\[0, 1\\]"):
+            TrainConfig(kd_alpha=bad)
+
+
+def test_training_loss_selects_kd_by_alpha() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(2, 4, 11, generator=g), torch.randint(4, 11, (2, 4), generator=g)
+    extras = {"kd_hidden": torch.ones(2, 3, 5), "kd_target": torch.zeros(2, 3, 5),
+              "kd_mask": torch.tensor([[False, False, True], [False, True, True]])}
+    plain = label_smoothed_nll(logits, target, 0.1, 0)
+    same = training_loss(logits, extras, target, TrainConfig(label_smoothing=0.1), 0)
+    assert same.loss.item() == plain.loss.item() and same.kd is None
+    kd = training_loss(logits, extras, target, TrainConfig(label_smoothing=0.1, kd_alpha=0.75), 0)
+    assert kd.kd.item() == pytest.approx(1.0)
+    assert kd.loss.item() == pytest.approx(0.75 * plain.loss.item() + 0.25 * 1.0 * plain.n_tokens)
+    with pytest.raises(ConfigError, match="train.kd_alpha: 0.5 < 1 needs a BERT teacher"):
+        training_loss(logits, {}, target, TrainConfig(kd_alpha=0.5), 0)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory):
+    return save_tiny_bert(tmp_path_factory.mktemp("kd") / "bert")
+
+
+def test_check_kd_needs_teacher_and_alpha(tmp_path, bert_dir) -> None:
+    plain = build_model(tiny_experiment(tmp_path).model, 96, 0, 2, 3)
+    check_kd(TrainConfig(), plain)
+    with pytest.raises(ConfigError, match="train.kd_alpha: 0.9 < 1 needs a BERT teacher"):
+        check_kd(TrainConfig(kd_alpha=0.9), plain)
+    teacher = build_model(tiny_experiment(tmp_path, **{"model.bert.name": str(bert_dir)}).model, 96, 0, 2, 3)
+    check_kd(TrainConfig(kd_alpha=0.9), teacher)
+    with pytest.raises(ConfigError, match="serves only as a KD teacher"):
+        check_kd(TrainConfig(), teacher)
+
+
+@pytest.mark.parametrize("kd_layer, index", [("encoder_top", 2), ("encoder_half", 1)])
+def test_student_state_and_gradients(tmp_path, bert_dir, kd_layer: str, index: int) -> None:
+    cfg = tiny_experiment(tmp_path, **{"model.bert.name": str(bert_dir), "model.bert.kd_layer": kd_layer,
+                                       "model.encoder_layers": 2, "train.kd_alpha": 0.9})
+    setup_torch(cfg)
+    data = prepare_data(cfg.data)
+    model = build_model(cfg.model, len(data.vocab), 0, 2, 3)
+    assert isinstance(model.kd, BertKD) and model.kd.student_layer == index
+    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    batch = next(trainer.train_batches(1))
+    model.train()
+    out = model(batch)
+    states = model.run_encoder(batch)
+    torch.testing.assert_close(out.extras["kd_hidden"], model.kd.proj(states[index]))
+    assert out.extras["kd_hidden"].shape[-1] == model.kd.teacher.hidden_size == 64
+    assert out.extras["kd_mask"][batch.src_mask].all()  # padding never distilled
+    lo = training_loss(out.logits, out.extras, batch.tgt_out, cfg.train, 0)
+    lo.loss.backward()
+    assert model.kd.proj.weight.grad is not None and model.encoder_layers[0].ffn.fc1.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.kd.teacher.parameters())  # the teacher stays frozen
+    model.eval()
+    assert "kd_hidden" not in model(batch).extras  # validation loss is pure L_NMT
+
+
+def test_baseline_kd_trains_end_to_end_with_cache(tmp_path, bert_dir, caplog) -> None:
+    cfg = tiny_experiment(tmp_path, **{"model.bert.name": str(bert_dir), "train.kd_alpha": 0.9,
+                                       "train.max_epochs": 1, "train.num_threads": 1})
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+        summary = run_experiment(cfg)
+    torch.set_num_threads(2)
+    assert summary["epochs"] == 1 and summary["test"]["test"]["bleu"] >= 0
+    assert sum("computed" in r.message for r in caplog.records) == 3  # train, valid, test: once each
+    # Resuming (a new process would do the same) reuses every cached feature file.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+        run_experiment(cfg.with_overrides({"train.max_epochs": 2}))
+    assert sum("cache hit" in r.message for r in caplog.records) == 3
+    assert not any("computed" in r.message for r in caplog.records)
+
+
+def test_cli_train_with_kd(tmp_path, bert_dir, capsys) -> None:
+    from nmtcore.cli import main
+
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
+    (tmp_path / "exp.yaml").write_text(cfg.to_yaml())
+    rc = main(["train", "--config", str(tmp_path / "exp.yaml"), "--no-track", "--set", "train.kd_alpha=0.9",
+               f"model.bert.name={bert_dir}", "model.bert.kd_layer=encoder_half"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["epochs"] == 1
+    rc = main(["train", "--config", str(tmp_path / "exp.yaml"), "--no-track", "--no-resume", "--set",
+               "train.kd_alpha=0.9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "train.kd_alpha: 0.9 < 1 needs a BERT teacher" in err
