@@ -21,7 +21,7 @@ from torch import Tensor
 from nmtcore.beam_search import Hypothesis, beam_search, greedy_search, max_lengths, translate
 from nmtcore.config import DecodeConfig
 from nmtcore.models.base import DecoderState, EncoderOut, NMTModel
-from tests.test_model_contract import CASES, tiny_model
+from tests.test_model_contract import CASES, tiny_model, with_inputs
 
 PAD, BOS, EOS, A, B, C = 0, 1, 2, 3, 4, 5
 VOCAB = 6
@@ -334,11 +334,13 @@ def test_registered_models_decode_a_padded_batch_like_sentences_alone(case, smal
     model = tiny_model(case)  # left in train mode: the search must switch dropout off itself
     # max_len = src_len + 1 differs per sentence, so sentences leave the batch at different steps.
     c = DecodeConfig(beam=3, nbest=3, max_len_a=1.0, max_len_b=1, min_len=0, precision="fp32")
+    small_batch = with_inputs(model, small_batch)
     batched = beam_search(model, small_batch, c)
     assert model.training
     for i, hyps in enumerate(batched):
         n = int((~small_batch.src_mask[i]).sum())
         src = small_batch.src[i : i + 1, :n]
-        alone = beam_search(model, FakeBatch(src=src, src_mask=src.eq(model.pad_id), ids=torch.tensor([i])), c)
+        alone = beam_search(model, with_inputs(model, FakeBatch(src=src, src_mask=src.eq(model.pad_id),
+                                                                  ids=torch.tensor([i]))), c)
         assert [h.tokens for h in hyps] == [h.tokens for h in alone[0]]
         assert [h.score for h in hyps] == pytest.approx([h.score for h in alone[0]], abs=1e-4)

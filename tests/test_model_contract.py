@@ -13,15 +13,27 @@ from nmtcore.config import ExperimentConfig
 from nmtcore.losses import label_smoothed_nll
 from nmtcore.models import MODEL_REGISTRY, build_model
 from tests.conftest import BOS, EOS, PAD, make_batch
+from tests.tiny_bert import add_bert_stream, tiny_bert_dir
 
 VOCAB = 40
 TINY = {"encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "ffn_dim": 64, "heads": 4, "dropout": 0.1}
 # Per-model extra fields for a tiny instance (BERT models add their tiny BERT here).
+TINY_BERT = {"name": tiny_bert_dir()}
 TINY_MODEL_OVERRIDES: dict[str, dict] = {
     "transformer": {},
     "transformer_prenorm": {"pre_norm": True},
+    "bert_fused": {"bert": TINY_BERT},
+    "bert_fused_pnet0": {"bert": TINY_BERT, "p_net": 0.0},
+    "bert_fused_finetune": {"bert": {**TINY_BERT, "freeze": False}},
+    "bert_jam": {"bert": TINY_BERT},
+    "bert_jam_m1": {"bert": TINY_BERT},
+    "bert_jam_m2": {"bert": TINY_BERT},
+    "bert_jam_m3": {"bert": TINY_BERT},
+    "bert_jam_dropnet_finetune": {"bert": {**TINY_BERT, "freeze": False}, "decoder_p_net": 1.0},
 }
-CASES = {name: name for name in MODEL_REGISTRY} | {"transformer_prenorm": "transformer"}
+CASES = {name: name for name in MODEL_REGISTRY} | {
+    "transformer_prenorm": "transformer", "bert_fused_pnet0": "bert_fused", "bert_fused_finetune": "bert_fused",
+    "bert_jam_dropnet_finetune": "bert_jam"}
 
 
 def tiny_model(case: str, seed: int = 0):
@@ -31,13 +43,19 @@ def tiny_model(case: str, seed: int = 0):
     return build_model(cfg.model, VOCAB, PAD, BOS, EOS)
 
 
+def with_inputs(model, batch):
+    """``batch`` with the BERT stream a BERT-consuming model reads (unchanged for the others)."""
+    return add_bert_stream(batch, PAD) if model.cfg.bert.enabled else batch
+
+
 def test_every_registered_model_has_a_tiny_config():
     assert set(MODEL_REGISTRY) <= set(TINY_MODEL_OVERRIDES)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_shapes(case, small_batch):
-    out = tiny_model(case)(small_batch)
+    model = tiny_model(case)
+    out = model(with_inputs(model, small_batch))
     assert out.logits.shape == (*small_batch.tgt_in.shape, VOCAB)
     assert torch.isfinite(out.logits).all()
 
@@ -46,15 +64,17 @@ def test_forward_shapes(case, small_batch):
 def test_padding_does_not_change_outputs(case):
     model = tiny_model(case).eval()
     src, tgt = [[5, 6, 7]], [[8, 9]]
-    alone = model(make_batch(src, tgt)).logits[0]
+    alone = model(with_inputs(model, make_batch(src, tgt))).logits[0]
     # Same sentence next to a longer one: it gets padded on both sides; its outputs must not move.
-    both = model(make_batch(src + [[5, 6, 7, 8, 9, 10, 11]], tgt + [[4, 5, 6, 7, 8]])).logits[0, : alone.size(0)]
+    both = model(with_inputs(model, make_batch(src + [[5, 6, 7, 8, 9, 10, 11]], tgt + [[4, 5, 6, 7, 8]])))
+    both = both.logits[0, : alone.size(0)]
     torch.testing.assert_close(both, alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cached_decoding_equals_teacher_forcing(case, small_batch):
     model = tiny_model(case).eval()
+    small_batch = with_inputs(model, small_batch)
     with torch.no_grad():
         full = model(small_batch).logits  # (B, T, V)
         enc = model.encode(small_batch)
@@ -66,6 +86,7 @@ def test_cached_decoding_equals_teacher_forcing(case, small_batch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_state_reorder_follows_beams(case, small_batch):
     model = tiny_model(case).eval()
+    small_batch = with_inputs(model, small_batch)
     perm = torch.tensor([2, 0, 1])
     with torch.no_grad():
         enc = model.encode(small_batch)
@@ -81,6 +102,7 @@ def test_state_reorder_follows_beams(case, small_batch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_few_training_steps_lower_the_loss(case, small_batch):
     model = tiny_model(case)
+    small_batch = with_inputs(model, small_batch)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(8):
@@ -95,6 +117,7 @@ def test_a_few_training_steps_lower_the_loss(case, small_batch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_load_round_trip(case, small_batch, tmp_path):
     model = tiny_model(case).eval()
+    small_batch = with_inputs(model, small_batch)
     save_checkpoint(tmp_path / "m.pt", {"model": model.state_dict()})
     other = tiny_model(case, seed=123).eval()
     other.load_state_dict(load_checkpoint(tmp_path / "m.pt")["model"])

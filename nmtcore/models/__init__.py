@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from nmtcore.config import ModelConfig
 from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput, NMTModel
+from nmtcore.models.bert_fused import BertFused, BertFusedConfig
+from nmtcore.models.bert_jam import BertJam, BertJamConfig, BertJamM1Config, BertJamM2Config, BertJamM3Config
 from nmtcore.models.transformer import Transformer
 
 MODEL_REGISTRY: dict[str, tuple[type[ModelConfig], type[NMTModel]]] = {
     "transformer": (ModelConfig, Transformer),
+    "bert_fused": (BertFusedConfig, BertFused),
+    "bert_jam": (BertJamConfig, BertJam),
+    # BERT-JAM's ablations (Table 7): the same model class, configs whose defaults are the variant's fields.
+    "bert_jam_m1": (BertJamM1Config, BertJam),
+    "bert_jam_m2": (BertJamM2Config, BertJam),
+    "bert_jam_m3": (BertJamM3Config, BertJam),
 }
 
 

@@ -1,0 +1,204 @@
+"""BERT-fused NMT (Zhu et al., ICLR 2020; seed 002): BERT's last layer attended from every encoder and
+decoder layer, the two attentions averaged, with drop-net.
+
+Architecture (Eq. 1-2), on top of the Transformer baseline (same embeddings, residuals, layer norms):
+
+- encoder layer l: ``h̃ = ½ (attn_S(h, H_E, H_E) + attn_B(h, H_B, H_B))`` then FFN;
+- decoder layer l: ``ŝ = attn_S(s, S_<t+1, S_<t+1)``, ``s̃ = ½ (attn_B(ŝ, H_B, H_B) + attn_E(ŝ, H_E^L, H_E^L))``
+  then FFN.
+
+``attn_B`` is a :class:`~nmtcore.layers.CrossAttention` whose keys/values come from BERT's last layer
+(``kdim = vdim = BERT width``). Parameter names match the baseline's (``self_attn``, ``cross_attn``,
+``*_res``, ``ffn``, embeddings), so a trained baseline checkpoint warm-starts this model
+(``train.init_from``, :func:`nmtcore.train.warm_start`) and only ``bert_attn`` starts fresh, the papers'
+procedure.
+
+Drop-net (Eq. 3), probability ``model.p_net``: per layer and per training forward, draw U ~ U(0, 1);
+``U < p/2`` → the first branch only, ``U > 1 − p/2`` → the second only, else the average; at inference
+the expectation, i.e. the average (Eq. 1). Two deliberate departures from the original code:
+
+- with drop-net off (``p_net = 0``) the original code *summed* the two branches; we average, as Eq. 1;
+- the original drew U from an unseeded numpy RNG; ours comes from a ``torch.Generator`` seeded at
+  construction from ``torch.initial_seed()`` (= ``train.seed``: the trainer seeds torch before building
+  the model) whose state is a persistent buffer (``drop_net_rng``), so checkpoints carry it and a resume
+  draws the same U sequence, bit-identically.
+
+BERT is frozen unless ``model.bert.freeze=false`` (fine-tuning); a frozen BERT's features come from the
+frozen-feature cache (:mod:`nmtcore.bert`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from nmtcore.bert import BertLayer
+from nmtcore.config import ModelConfig, check, check_unit_interval
+from nmtcore.layers import CrossAttention, FeedForward, Residual, SelfAttention
+from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput
+from nmtcore.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch
+
+
+@dataclass(frozen=True)
+class BertFusedConfig(ModelConfig):
+    """Transformer fields plus drop-net. ``model.bert`` must name a BERT; fine-tuning is ``model.bert.freeze``."""
+
+    name: str = "bert_fused"
+    p_net: float = 1.0  # drop-net probability (Eq. 3); the paper's setting is 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_unit_interval(self.p_net, "model.p_net")
+        check(self.bert.enabled, "model.bert.name",
+              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
+
+
+# ---------------------------------------------------------------------- drop-net
+class DropNet(nn.Module):
+    """Eq. 3's branch weights, drawn from a seeded generator whose state is checkpointed.
+
+    ``weights()`` returns ``(w_first, w_second)``: (1, 0), (0, 1) or (½, ½) while training (one U per call;
+    the model calls it once per layer per forward), always (½, ½) in eval mode (the expectation, Eq. 1).
+    """
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        self.p = p
+        gen = torch.Generator().manual_seed(seed)
+        # The generator's state lives in a buffer so state_dict / checkpoints carry it (resume is exact).
+        self.register_buffer("drop_net_rng", gen.get_state())
+
+    def draw(self) -> float:
+        """One U ~ Uniform(0, 1) from the module's generator, advancing its saved state."""
+        gen = torch.Generator()
+        gen.set_state(self.drop_net_rng.cpu())
+        u = torch.rand((), generator=gen).item()
+        self.drop_net_rng.copy_(gen.get_state())
+        return u
+
+    def weights(self) -> tuple[float, float]:
+        if not self.training:
+            return 0.5, 0.5  # E_U[Eq. 3] = Eq. 1
+        u = self.draw()
+        if u < self.p / 2:
+            return 1.0, 0.0
+        if u > 1 - self.p / 2:
+            return 0.0, 1.0
+        return 0.5, 0.5
+
+
+def combine(first: Callable[[], Tensor], second: Callable[[], Tensor], w: tuple[float, float]) -> Tensor:
+    """w_1·first() + w_2·second(), running only the branches with a non-zero weight (drop-net)."""
+    if w[1] == 0.0:
+        return first()
+    if w[0] == 0.0:
+        return second()
+    return w[0] * first() + w[1] * second()
+
+
+# ---------------------------------------------------------------------- layers
+class BertFusedEncoderLayer(nn.Module):
+    """Eq. 1: self-attention and BERT-encoder attention on the same input, combined, then FFN."""
+
+    def __init__(self, cfg: BertFusedConfig, bert_dim: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = SelfAttention(d, cfg.heads, cfg.attention_dropout)
+        self.bert_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout, kdim=bert_dim)
+        self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: Tensor, mask: Tensor, bert: Tensor, bert_mask: Tensor, w: tuple[float, float]) -> Tensor:
+        """``w``: drop-net weights of (attn_S, attn_B) for this layer and forward."""
+        h = self.self_res.before(x)  # (B, S, C)
+        y = combine(lambda: self.self_attn(h, key_padding_mask=mask),  # attn_S (B, S, C)
+                    lambda: self.bert_attn(h, bert, bert_mask), w)  # attn_B (B, S, C)
+        x = self.self_res.after(x, y)  # Eq. 1 / Eq. 3
+        return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
+
+
+class BertFusedDecoderLayer(nn.Module):
+    """Eq. 2: causal self-attention, then BERT-decoder and encoder-decoder attention combined, then FFN."""
+
+    def __init__(self, cfg: BertFusedConfig, bert_dim: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = SelfAttention(d, cfg.heads, cfg.attention_dropout)
+        self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.bert_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout, kdim=bert_dim)
+        self.cross_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout)
+        self.cross_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: Tensor, enc: Tensor, enc_mask: Tensor, bert: Tensor, bert_mask: Tensor,
+                w: tuple[float, float], cache: LayerCache | None = None) -> Tensor:
+        """``w``: drop-net weights of (attn_B, attn_E); always (½, ½) when decoding incrementally (eval)."""
+        x = self.self_res.after(x, self.self_attn(self.self_res.before(x), causal=True, cache=cache))  # ŝ
+        h = self.cross_res.before(x)  # (B, T, C)
+        y = combine(lambda: self.bert_attn(h, bert, bert_mask, cache=cache, name="bert"),  # attn_B (B, T, C)
+                    lambda: self.cross_attn(h, enc, enc_mask, cache=cache, name="enc"), w)  # attn_E (B, T, C)
+        x = self.cross_res.after(x, y)  # Eq. 2 / Eq. 3 (decoder)
+        return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
+
+
+# ---------------------------------------------------------------------- the model
+class BertFused(Transformer):
+    """The baseline with every layer fused with BERT's last layer (Eq. 1-3).
+
+    Embeddings, positions, output projection and final norms are the baseline's (inherited); the layer
+    stacks are replaced by the fused layers, keeping the baseline's parameter names.
+    """
+
+    bert_role = "input"  # owns its BertLayer; the baseline's KD teacher is not built
+
+    bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
+
+    def __init__(self, cfg: BertFusedConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
+        super().__init__(cfg, vocab_size, pad_id, bos_id, eos_id)
+        self.bert = BertLayer(cfg.bert, layers=(-1,))  # H_B: BERT's last layer only
+        bert_dim = self.bert.hidden_size
+        # One generator per stack, so encoder and decoder draws do not depend on each other's count.
+        seed = torch.initial_seed()
+        self.enc_drop_net = DropNet(cfg.p_net, seed)
+        self.dec_drop_net = DropNet(cfg.p_net, seed + 1)
+        self.encoder_layers = nn.ModuleList(BertFusedEncoderLayer(cfg, bert_dim)
+                                            for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(BertFusedDecoderLayer(cfg, bert_dim)
+                                            for _ in range(cfg.decoder_layers))
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Named parameter sets a phase schedule freezes/unfreezes: ``bert`` and everything else (``nmt``)."""
+        bert = list(self.bert.parameters())
+        ids = {id(p) for p in bert}
+        return {"bert": bert, "nmt": [p for p in self.parameters() if id(p) not in ids]}
+
+    def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        offset = state.step if state is not None else 0
+        x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
+        bert, bert_mask = enc_out.extras["bert"], enc_out.extras["bert_mask"]  # (B, Tb, H), (B, Tb)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, enc_out.out, enc_out.mask, bert, bert_mask, self.dec_drop_net.weights(),
+                      cache=state.layers[i] if state is not None else None)
+        return self.decoder_norm(x)
+
+    def encode(self, batch: "Batch") -> EncoderOut:
+        bert_out = self.bert(batch)
+        bert, bert_mask = bert_out.last, bert_out.mask  # H_B (B, Tb, H), (B, Tb)
+        x = self.embed(batch.src, self.src_embed)  # (B, S, C)
+        for layer in self.encoder_layers:
+            x = layer(x, batch.src_mask, bert, bert_mask, self.enc_drop_net.weights())
+        return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask,
+                          extras={"bert": bert, "bert_mask": bert_mask})
+
+    def forward(self, batch: "Batch") -> ModelOutput:
+        enc_out = self.encode(batch)
+        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
+        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})

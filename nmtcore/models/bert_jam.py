@@ -1,0 +1,321 @@
+"""BERT-JAM (Zhang et al.; seed 000): joint attention over NMT and BERT states, a per-layer GLU over all
+BERT layers, and a three-phase optimisation schedule.
+
+- **Joint attention** (Eq. 5-7, :class:`JointAttention`): queries from the primary sequence R; keys/values
+  are the concatenation of R's projections and the secondary sequence S's projections (separate
+  projections, S of width ``kdim``), one softmax over both; the padding masks of both apply and, in the
+  decoder, the causal mask covers only the primary part. Multi-head, scaled by √d_head as every
+  multi-head attention here (the paper writes √d_model for its single-head description).
+- **GLU** (Eq. 8, :class:`LayerGLU`), one per encoder and decoder layer: ``B = g ⊙ Σ α_i B_i``,
+  ``g = σ(Σ β_i B_i)`` over BERT layers 1..L_B, initialised ``α_L = 1``, others 0, ``β = 0`` (Eq. 11) so
+  ``B = B_L / 2`` at init; the model multiplies the GLU output by ``glu_scale`` (2 in phase 1, told by
+  the trainer through :meth:`BertJam.set_phase`; a persistent buffer, so checkpoints carry it).
+- **Encoder layer** (Eq. 9): ``E^{i+1} = Attn_joint(E^i, B^{E,i})`` then FFN. **Decoder layer** (Eq. 10):
+  ``D' = ½ (Attn_joint(D, B^{D,i}) + Attn_joint(D, E^L))`` (drop-net over the two optional,
+  ``model.decoder_p_net``, as in the original code), then FFN. Residuals and layer norms as the baseline.
+- **Three phases** (Section 2.4) are data: :meth:`BertJam.default_phases` returns the schedule the
+  trainer runs unless ``train.phases`` is given — phase 1 (``warmup``) trains ``nmt`` only with the ×2
+  compensation, phase 2 (``glu``) adds the GLU weights, phase 3 (``finetune``) adds BERT with early stopping
+  on validation loss; BERT's frozen-feature cache serves phases 1-2 and is bypassed in phase 3.
+
+Ablations (Table 7) are explicit fields, each a registered variant (:mod:`nmtcore.models`):
+M1 ``glu="weighted_sum"`` (B = Σ α_i B_i, no gate, no ×2); M2 ``bert_layers="last"`` (B = B_L, no GLU,
+no phase 2: phase 1 takes its epochs); M3 ``schedule`` without ``warmup`` (phase 2 takes its epochs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from nmtcore.bert import BertLayer
+from nmtcore.config import ModelConfig, PhaseConfig, check, check_unit_interval
+from nmtcore.layers import FeedForward, Residual, attend, merge_heads, split_heads
+from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput
+from nmtcore.models.bert_fused import DropNet, combine
+from nmtcore.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch
+
+PHASES = ("warmup", "glu", "finetune")
+
+
+@dataclass(frozen=True)
+class BertJamConfig(ModelConfig):
+    """Transformer fields plus BERT-JAM's switches. ``model.bert`` must name a BERT."""
+
+    name: str = "bert_jam"
+    glu: str = "glu"  # "glu" (Eq. 8) | "weighted_sum" (M1: B = Σ α_i B_i)
+    bert_layers: str = "all"  # "all" (B_1..B_L through the GLU) | "last" (M2: B = B_L, no GLU)
+    decoder_p_net: float = 0.0  # drop-net over Eq. 10's two joint attentions; 0 = their average
+    schedule: tuple[str, ...] = PHASES  # phases run, in order; M2 drops "glu", M3 drops "warmup"
+    phase_epochs: tuple[int, int, int] = (40, 10, 10)  # Table 7: epochs of warmup / glu / finetune
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.bert.enabled, "model.bert.name",
+              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
+        check(self.glu in ("glu", "weighted_sum"), "model.glu", f"must be 'glu' or 'weighted_sum', got {self.glu!r}")
+        check(self.bert_layers in ("all", "last"), "model.bert_layers",
+              f"must be 'all' or 'last', got {self.bert_layers!r}")
+        check_unit_interval(self.decoder_p_net, "model.decoder_p_net")
+        check(len(self.schedule) > 0 and list(self.schedule) == [p for p in PHASES if p in self.schedule]
+              and len(set(self.schedule)) == len(self.schedule), "model.schedule",
+              f"must be a non-empty ordered subset of {PHASES}, got {self.schedule}")
+        check(not (self.bert_layers == "last" and "glu" in self.schedule), "model.schedule",
+              "model.bert_layers=last has no GLU to train: drop the 'glu' phase (M2)")
+        check(all(e > 0 for e in self.phase_epochs), "model.phase_epochs", f"must be > 0, got {self.phase_epochs}")
+        for key, value in ABLATIONS.get(self.name, {}).items():  # a variant name means exactly its fields
+            check(getattr(self, key) == value, f"model.{key}",
+                  f"model {self.name} is defined by {key}={value!r}; use model.name=bert_jam to change it")
+
+
+# Table 7's ablations: registered names → the fields that define them (the config classes below carry
+# them as defaults; validation refuses a variant name with other values, so a run labelled M1 is M1).
+ABLATIONS: dict[str, dict[str, object]] = {
+    "bert_jam_m1": {"glu": "weighted_sum"},
+    "bert_jam_m2": {"bert_layers": "last", "schedule": ("warmup", "finetune")},
+    "bert_jam_m3": {"schedule": ("glu", "finetune")},
+}
+
+
+@dataclass(frozen=True)
+class BertJamM1Config(BertJamConfig):
+    """M1: the GLU replaced by a learned weighted sum of BERT's layers (its weights train in phase 2)."""
+
+    name: str = "bert_jam_m1"
+    glu: str = "weighted_sum"
+
+
+@dataclass(frozen=True)
+class BertJamM2Config(BertJamConfig):
+    """M2: BERT's last layer only, no GLU, no phase 2 (phase 1 prolonged by its epochs)."""
+
+    name: str = "bert_jam_m2"
+    bert_layers: str = "last"
+    schedule: tuple[str, ...] = ("warmup", "finetune")
+
+
+@dataclass(frozen=True)
+class BertJamM3Config(BertJamConfig):
+    """M3: no warmup phase: NMT and GLU train together from the start (phase 2 takes phase 1's epochs)."""
+
+    name: str = "bert_jam_m3"
+    schedule: tuple[str, ...] = ("glu", "finetune")
+
+
+# ---------------------------------------------------------------------- joint attention (Eq. 5-7)
+class JointAttention(nn.Module):
+    """Attn_joint(R, S): queries from R, keys/values = [R's ; S's] (Eq. 5), one softmax (Eq. 6-7).
+
+    ``qkv`` projects the primary sequence (width d_model) to Q, K^R, V^R; ``kv_memory`` the secondary one
+    (width ``kdim``) to K^S, V^S. With a cache, R's keys/values grow per step (``self_k``/``self_v``) and
+    S's are projected once and kept under ``static[name]``.
+    """
+
+    def __init__(self, d_model: int, heads: int, attention_dropout: float, kdim: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_dropout = attention_dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.kv_memory = nn.Linear(kdim, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        nn.init.xavier_uniform_(self.qkv.weight, gain=2**-0.5)
+        nn.init.xavier_uniform_(self.kv_memory.weight, gain=2**-0.5 if kdim == d_model else 1.0)
+        nn.init.xavier_uniform_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: Tensor, x_mask: Tensor | None, memory: Tensor | None, memory_mask: Tensor,
+                causal: bool = False, cache: LayerCache | None = None, name: str = "memory") -> Tensor:
+        """x (B, T, C) primary, ``x_mask`` (B, T) True = padding (None: no padding to mask); memory
+        (B, M, kdim) secondary (None when already cached), ``memory_mask`` (B, M). Returns (B, T, C)."""
+        q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 × (B, H, T, Dh)
+        if cache is not None:
+            if cache.self_k is not None:
+                k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t+1, Dh)
+                v = torch.cat([cache.self_v, v], dim=2)
+            cache.self_k, cache.self_v = k, v
+            if name not in cache.static:
+                cache.static[name] = self.project_memory(memory)
+            k_s, v_s = cache.static[name]
+        else:
+            k_s, v_s = self.project_memory(memory)  # 2 × (B, H, M, Dh)
+        t_q, t_r = q.size(2), k.size(2)
+        # Allowed positions of the primary part: causal (decoder) and/or not padding.
+        allowed_r = torch.ones(1, 1, t_q, t_r, dtype=torch.bool, device=x.device)  # (1, 1, T, t)
+        if causal:
+            allowed_r = allowed_r.tril(t_r - t_q)
+        if x_mask is not None:
+            allowed_r = allowed_r & ~x_mask[:, None, None, :]  # (B, 1, T, t)
+        allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
+        b = memory_mask.size(0)
+        mask = torch.cat([allowed_r.expand(b, 1, t_q, t_r), allowed_s.expand(b, 1, t_q, -1)], dim=-1)
+        keys = torch.cat([k, k_s], dim=2)  # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m)  (B, H, t+M, Dh)
+        values = torch.cat([v, v_s], dim=2)
+        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)  # Eq. 6-7
+        return self.out(merge_heads(y))  # (B, T, C)
+
+    def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv_memory(memory).chunk(2, dim=-1)  # 2 × (B, M, C)
+        return split_heads(k, self.heads), split_heads(v, self.heads)
+
+
+# ---------------------------------------------------------------------- GLU over BERT layers (Eq. 8)
+class LayerGLU(nn.Module):
+    """Eq. 8: ``B = g ⊙ Σ α_i B_i``, ``g = σ(Σ β_i B_i)``; ``gated=False`` is M1's ``B = Σ α_i B_i``.
+
+    Init (Eq. 11): α_L = 1, α_i = 0 otherwise, β = 0, so ``B = B_L / 2`` (gated) or ``B_L`` (M1).
+    """
+
+    def __init__(self, num_bert_layers: int, gated: bool) -> None:
+        super().__init__()
+        alpha = torch.zeros(num_bert_layers)
+        alpha[-1] = 1.0  # Eq. 11
+        self.alpha = nn.Parameter(alpha)
+        self.beta = nn.Parameter(torch.zeros(num_bert_layers)) if gated else None
+
+    def forward(self, states: Tensor) -> Tensor:
+        """states (B, M, L_B, H) → (B, M, H)."""
+        mix = torch.einsum("bmlh,l->bmh", states, self.alpha)  # Σ α_i B_i
+        if self.beta is None:
+            return mix
+        gate = torch.sigmoid(torch.einsum("bmlh,l->bmh", states, self.beta))  # g = σ(Σ β_i B_i)
+        return gate * mix  # Eq. 8
+
+
+# ---------------------------------------------------------------------- layers
+class BertJamEncoderLayer(nn.Module):
+    """Eq. 9: joint attention over (E^i, B^{E,i}), then FFN."""
+
+    def __init__(self, cfg: BertJamConfig, bert_dim: int, num_bert_layers: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.glu = LayerGLU(num_bert_layers, cfg.glu == "glu") if cfg.bert_layers == "all" else None
+        self.self_attn = JointAttention(d, cfg.heads, cfg.attention_dropout, bert_dim)
+        self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: Tensor, mask: Tensor, bert: Tensor, bert_mask: Tensor) -> Tensor:
+        """bert: the BERT memory of this layer (B, M, H), already composed by :meth:`BertJam.compose`."""
+        y = self.self_attn(self.self_res.before(x), mask, bert, bert_mask)  # Attn_joint(E^i, B^{E,i})
+        x = self.self_res.after(x, y)
+        return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
+
+
+class BertJamDecoderLayer(nn.Module):
+    """Eq. 10: ½ (Attn_joint(D, B^{D,i}) + Attn_joint(D, E^L)), then FFN. Uses two LayerCaches."""
+
+    def __init__(self, cfg: BertJamConfig, bert_dim: int, num_bert_layers: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.glu = LayerGLU(num_bert_layers, cfg.glu == "glu") if cfg.bert_layers == "all" else None
+        self.bert_attn = JointAttention(d, cfg.heads, cfg.attention_dropout, bert_dim)
+        self.enc_attn = JointAttention(d, cfg.heads, cfg.attention_dropout, d)
+        self.attn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: Tensor, enc: Tensor, enc_mask: Tensor, bert: Tensor | None, bert_mask: Tensor,
+                w: tuple[float, float], caches: tuple[LayerCache, LayerCache] | None = None) -> Tensor:
+        """bert: this layer's composed BERT memory (B, M, H), None once cached; w: drop-net weights."""
+        # Right-padded targets need no key padding mask under the causal mask (as the baseline).
+        h = self.attn_res.before(x)  # (B, T, C)
+        c_bert, c_enc = caches if caches is not None else (None, None)
+        y = combine(lambda: self.bert_attn(h, None, bert, bert_mask, causal=True, cache=c_bert, name="bert"),
+                    lambda: self.enc_attn(h, None, enc, enc_mask, causal=True, cache=c_enc, name="enc"), w)
+        x = self.attn_res.after(x, y)  # Eq. 10
+        return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
+
+
+# ---------------------------------------------------------------------- the model
+class BertJam(Transformer):
+    """BERT-JAM: the baseline's embeddings and output layer, joint-attention layer stacks, one BERT."""
+
+    bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
+
+    def __init__(self, cfg: BertJamConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
+        super().__init__(cfg, vocab_size, pad_id, bos_id, eos_id)
+        # All hidden states 0..L (the cache stores these) of which the GLU reads 1..L; M2 reads L only.
+        self.bert = BertLayer(cfg.bert, layers=None if cfg.bert_layers == "all" else (-1,))
+        n_bert = self.bert.num_layers if cfg.bert_layers == "all" else 1
+        bert_dim = self.bert.hidden_size
+        self.encoder_layers = nn.ModuleList(BertJamEncoderLayer(cfg, bert_dim, n_bert)
+                                            for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(BertJamDecoderLayer(cfg, bert_dim, n_bert)
+                                            for _ in range(cfg.decoder_layers))
+        self.dec_drop_net = DropNet(cfg.decoder_p_net, torch.initial_seed() + 1)
+        # Factor on the GLU output: 2 in phase 1 (Section 2.4), 1 otherwise; set by set_phase.
+        self.register_buffer("glu_scale", torch.tensor(1.0))
+
+    # ------------------------------------------------------------------ phases (data the trainer reads)
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """``bert`` (the BERT), ``glu`` (α, β of every layer's GLU), ``nmt`` (everything else)."""
+        bert = list(self.bert.parameters())
+        glu = [p for layer in [*self.encoder_layers, *self.decoder_layers] if layer.glu is not None
+               for p in layer.glu.parameters()]
+        taken = {id(p) for p in bert + glu}
+        return {"bert": bert, "glu": glu, "nmt": [p for p in self.parameters() if id(p) not in taken]}
+
+    def default_phases(self) -> tuple[PhaseConfig, ...]:
+        """Section 2.4's schedule for this config; a skipped phase's epochs go to its neighbour (M2: to
+        the warmup, M3: to the GLU phase), as the paper's ablations do."""
+        cfg: BertJamConfig = self.cfg  # type: ignore[assignment]
+        e_warm, e_glu, e_ft = cfg.phase_epochs
+        if "warmup" not in cfg.schedule:
+            e_glu += e_warm
+        if "glu" not in cfg.schedule:
+            e_warm += e_glu
+        gated = cfg.bert_layers == "all" and cfg.glu == "glu"
+        spec = {
+            "warmup": PhaseConfig("warmup", e_warm, ("nmt",), glu_scale=2.0 if gated else 1.0),
+            "glu": PhaseConfig("glu", e_glu, ("nmt", "glu")),
+            "finetune": PhaseConfig("finetune", e_ft, ("nmt", "glu", "bert"), early_stop=True),
+        }
+        return tuple(spec[name] for name in cfg.schedule)
+
+    def set_phase(self, phase: PhaseConfig) -> None:
+        """The trainer's phase hook: the GLU scale of this phase."""
+        self.glu_scale.fill_(phase.glu_scale)
+
+    # ------------------------------------------------------------------ pieces
+    def compose(self, layer: nn.Module, states: Tensor) -> Tensor:
+        """The BERT memory of one layer: its GLU over B_1..B_L (× glu_scale), or B_L (M2). (B, M, H)"""
+        if layer.glu is None:
+            return states[:, :, -1]
+        return layer.glu(states) * self.glu_scale
+
+    def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        offset = state.step if state is not None else 0
+        x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
+        states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, M, L, H), (B, M)
+        for i, layer in enumerate(self.decoder_layers):
+            caches = (state.layers[2 * i], state.layers[2 * i + 1]) if state is not None else None
+            cached = caches is not None and "bert" in caches[0].static
+            bert = None if cached else self.compose(layer, states)  # B^{D,i}: composed once per sentence
+            x = layer(x, enc_out.out, enc_out.mask, bert, bert_mask, self.dec_drop_net.weights(), caches)
+        return self.decoder_norm(x)
+
+    # ------------------------------------------------------------------ interface
+    def encode(self, batch: "Batch") -> EncoderOut:
+        bert_out = self.bert(batch)
+        # BERT(X) = (B_1, ..., B_L): the embeddings (hidden state 0) are not a layer.
+        used = bert_out.states[1:] if self.cfg.bert_layers == "all" else bert_out.states[-1:]
+        states = torch.stack(used, dim=2)  # (B, M, L, H)
+        x = self.embed(batch.src, self.src_embed)  # (B, S, C)
+        for layer in self.encoder_layers:
+            x = layer(x, batch.src_mask, self.compose(layer, states), bert_out.mask)  # Eq. 9
+        return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask,
+                          extras={"bert_states": states, "bert_mask": bert_out.mask})
+
+    def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        return DecoderState.empty(2 * len(self.decoder_layers))  # two joint attentions per layer
+
+    def forward(self, batch: "Batch") -> ModelOutput:
+        enc_out = self.encode(batch)
+        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
+        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})
