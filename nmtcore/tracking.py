@@ -513,6 +513,132 @@ def read_artifact_text(run_id: str, artifact_file: str, tracking_uri: str | os.P
         return Path(local).read_text(encoding="utf-8")
 
 
+# ------------------------------------------------------------------------------------------ sweeps
+# A sweep is one parent run (role "sweep") with one nested child run per trial (role "trial"). A child
+# is identified by its trial key (a hash of the trial's overrides, seed included), so a retried or
+# resumed trial finds and re-attaches its run instead of creating a second one.
+SWEEP_TAG = "nmtcore.sweep"  # the sweep's name, on the parent and on every child
+ROLE_TAG = "nmtcore.role"  # "sweep" or "trial"
+TRIAL_KEY_TAG = "nmtcore.trial_key"
+TRIAL_STATE_TAG = "nmtcore.trial_state"  # running, complete, stopped_early, failed, killed
+FAILURE_KIND_TAG = "nmtcore.failure_kind"  # e.g. "nonfinite": deterministic, not worth a retry
+
+
+def search_runs(filter_string: str, tracking_uri: str | os.PathLike | None = None) -> list[RunRecord]:
+    """Runs of every active experiment matching MLflow's ``filter_string``, oldest first."""
+    with _reader(tracking_uri) as client:
+        exp_ids = [e.experiment_id for e in client.search_experiments()]
+        runs: list[RunRecord] = []
+        token = None
+        while exp_ids:
+            page = client.search_runs(exp_ids, filter_string=filter_string,
+                                      order_by=["attributes.start_time ASC"], page_token=token)
+            runs.extend(_record(r) for r in page)
+            token = page.token
+            if not token:
+                break
+        return runs
+
+
+def find_sweep_run(sweep: str, tracking_uri: str | os.PathLike | None = None) -> RunRecord:
+    """The parent run of a sweep, by run id or by sweep name (the newest if a name was reused)."""
+    uri = resolve_tracking_uri(tracking_uri)
+    if len(sweep) == 32 and all(c in "0123456789abcdef" for c in sweep):
+        try:
+            return get_run(sweep, uri)
+        except TrackingError:
+            pass  # a sweep may be named like a run id; fall through to the name lookup
+    runs = search_runs(f"tags.`{SWEEP_TAG}` = '{_quote(sweep)}' and tags.`{ROLE_TAG}` = 'sweep'", uri)
+    if not runs:
+        raise TrackingError(f"no sweep named {sweep!r} in {uri}")
+    return runs[-1]
+
+
+def sweep_children(parent_run_id: str, tracking_uri: str | os.PathLike | None = None) -> list[RunRecord]:
+    """The trial runs nested under a sweep's parent run, oldest first."""
+    return search_runs(f"tags.`{PARENT_RUN_TAG}` = '{_quote(parent_run_id)}'", tracking_uri)
+
+
+def find_child_run(parent_run_id: str, trial_key: str,
+                   tracking_uri: str | os.PathLike | None = None) -> RunRecord | None:
+    """The child run of ``parent_run_id`` carrying ``trial_key`` (the oldest if several), or None."""
+    runs = search_runs(f"tags.`{PARENT_RUN_TAG}` = '{_quote(parent_run_id)}' and "
+                       f"tags.`{TRIAL_KEY_TAG}` = '{_quote(trial_key)}'", tracking_uri)
+    return runs[0] if runs else None
+
+
+def open_child_run(parent_run_id: str, trial_key: str, run_name: str, tags: Mapping[str, Any],
+                   tracking_uri: str | os.PathLike | None = None) -> tuple[str, bool]:
+    """Run id of the child of ``parent_run_id`` for ``trial_key``: the existing one if a previous
+    attempt created it (re-attach; nothing is duplicated), else a new RUNNING child. Returns
+    ``(run_id, created)``. The run is left open: whoever trains in it ends it."""
+    existing = find_child_run(parent_run_id, trial_key, tracking_uri)
+    if existing is not None:
+        return existing.run_id, False
+    tracker = Tracker(tracking_uri, run_name=run_name, parent_run_id=parent_run_id,
+                      tags={**tags, TRIAL_KEY_TAG: trial_key, ROLE_TAG: "trial", TRIAL_STATE_TAG: "running"})
+    return tracker.run_id, True
+
+
+def terminate_run(run_id: str, status: str, tracking_uri: str | os.PathLike | None = None,
+                  reason: str | None = None, tags: Mapping[str, Any] | None = None,
+                  only_if_running: bool = True) -> bool:
+    """End a run from outside the process that trained in it (a sweep driver cleaning up after a
+    stopped or crashed trial): set ``tags`` and the one-line ``reason``, then the status. With
+    ``only_if_running`` a run that already ended keeps its status. Returns whether it was ended."""
+    if status not in END_STATUSES:
+        raise ValueError(f"status must be one of {', '.join(END_STATUSES)}, got {status!r}")
+    uri = resolve_tracking_uri(tracking_uri)
+    with _reader(uri) as client:
+        run = client.get_run(run_id)
+        if only_if_running and run.info.status != "RUNNING":
+            return False
+        all_tags = {k: _truncate(_tag_value(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
+        if reason:
+            all_tags[FAILURE_REASON_TAG] = _truncate(" ".join(reason.split()), 500)
+        if all_tags:
+            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()], synchronous=True)
+        client.set_terminated(run_id, status)
+        return True
+
+
+def set_run_tags(run_id: str, tags: Mapping[str, Any], tracking_uri: str | os.PathLike | None = None) -> None:
+    """Set tags on any run by id (values stringified and truncated)."""
+    with _reader(tracking_uri) as client:
+        client.log_batch(run_id, tags=[RunTag(k, _truncate(_tag_value(v), MAX_TAG_VAL_LENGTH))
+                                       for k, v in tags.items()], synchronous=True)
+
+
+def log_run_artifacts(run_id: str, paths: list[str | os.PathLike], artifact_path: str | None = None,
+                      tracking_uri: str | os.PathLike | None = None) -> None:
+    """Copy local files into any run's artifacts by id, without touching its status (reports added to a
+    finished sweep's parent run)."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"artifact {path} does not exist")
+    with _reader(tracking_uri) as client:
+        for path in paths:
+            client.log_artifact(run_id, os.fspath(path), artifact_path)
+
+
+def is_tracking_server(tracking_uri: str) -> bool:
+    """Whether the URI names a tracking server every node can reach (not a local sqlite/file store)."""
+    return tracking_uri.split("://", 1)[0].lower() in ("http", "https", "databricks")
+
+
+def ui_command(tracking_uri: str, port: int = 5000) -> str:
+    """The shell command that serves the MLflow UI for a local store on 127.0.0.1 (quick start: one
+    worker, no job execution), or the server's own address."""
+    if is_tracking_server(tracking_uri):
+        return f"open {tracking_uri}"
+    return (f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {tracking_uri} "
+            f"--host 127.0.0.1 --port {port} --workers 1")
+
+
+def _quote(value: str) -> str:
+    return value.replace("'", "\\'")
+
+
 # ------------------------------------------------------------------------------------- internals
 @contextlib.contextmanager
 def _reader(tracking_uri: str | os.PathLike | None) -> Iterator[MlflowClient]:

@@ -1,0 +1,104 @@
+"""What the sweep platform costs: one trial run directly (``run_experiment``, no tracking) against the
+same trial as a one-trial sweep through Tune + Ray Train + MLflow, measured one after the other in one
+run, and printed as the overhead in seconds and as a fraction of the direct trial's wall time.
+
+Two overheads are reported:
+
+* **end to end**: ``run_sweep`` wall time (Ray cluster start, data pre-check, MLflow parent run,
+  Tune, the Train worker group, per-epoch checkpoint upload, MLflow child logging, report) minus the
+  direct run's wall time;
+* **per trial**: the Tune trial's own wall time (worker-group start to last report) minus the direct
+  run's: what every further trial of a sweep pays.
+
+Bar: per-trial overhead <= 10% of the trial's wall time for a trial of >= 2 minutes.
+
+    python bench/sweep_overhead.py --data-dir ../shared/data [--epochs 1] [--threads 1] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("NMTCORE_NO_PROGRESS", "1")
+
+import torch  # noqa: E402
+
+from nmtcore import sweep, tracking  # noqa: E402
+from nmtcore.config import preset  # noqa: E402
+from nmtcore.train import run_experiment  # noqa: E402
+from search_spaces import SearchSpace, grid  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", "../shared/data"))
+    ap.add_argument("--preset", default="multi30k_small")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--max-updates", type=int, default=0, help="cap the trial (0 = whole epochs)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the trial (both runs)")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="nmtcore-sweep-bench-"))
+    cfg = preset(args.preset).with_overrides({
+        "data.data_dir": str(Path(args.data_dir).resolve()), "train.max_epochs": args.epochs,
+        "train.max_updates": args.max_updates, "train.num_threads": args.threads, "train.warmup_updates": 100,
+        "train.keep_last": 1, "output_dir": str(work / "direct")})
+    from nmtcore.data import prepare_data
+
+    prepare_data(cfg.data)  # the vocabulary is cached for both runs alike
+
+    # 1. directly: the trainer as `nmtcore train --no-track` runs it
+    t0 = time.perf_counter()
+    direct = run_experiment(cfg, resume=False)
+    direct_wall = time.perf_counter() - t0
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    # 2. the same trial as a one-trial sweep (the grid's only point is the config's own d_model)
+    space = SearchSpace("bench", "one", None, params={"model.d_model": grid((cfg.model.d_model,))},
+                        metric="valid_loss", mode="min")
+    settings = sweep.SweepSettings(name="overhead", storage=str(work / "ray"), tracking_uri=f"sqlite:///{work}/m.db",
+                                   cpus_per_trial=float(args.threads), num_cpus=os.cpu_count(), dashboard=True,
+                                   report_dir=str(work / "report"), verbose=0)
+    t0 = time.perf_counter()
+    result = sweep.run_sweep(space, cfg.with_overrides({"output_dir": str(work / "unused")}), settings,
+                             log_to_driver=False)
+    sweep_wall = time.perf_counter() - t0
+    (trial,) = result.trials
+    trial_wall = float(trial.metrics.get("time_total_s", float("nan")))
+    child = tracking.get_run(trial.run_id, result.tracking_uri)
+    sweep.shutdown_ray()
+
+    test = next(iter(direct["test"].values()))
+    out = {
+        "device": f"{os.cpu_count()} CPU cores, torch threads per trial {args.threads}",
+        "trial": {"preset": args.preset, "epochs": args.epochs, "max_updates": args.max_updates,
+                  "updates": direct["num_updates"]},
+        "direct_wall_s": round(direct_wall, 1),
+        "direct_test_bleu": round(test["bleu"], 2),
+        "sweep_wall_s": round(sweep_wall, 1),
+        "tune_trial_wall_s": round(trial_wall, 1),
+        "sweep_test_bleu": round(child.metrics.get(f"test/{next(iter(direct['test']))}/bleu", float("nan")), 2),
+        "overhead_end_to_end_s": round(sweep_wall - direct_wall, 1),
+        "overhead_end_to_end_frac": round((sweep_wall - direct_wall) / direct_wall, 3),
+        "overhead_per_trial_s": round(trial_wall - direct_wall, 1),
+        "overhead_per_trial_frac": round((trial_wall - direct_wall) / direct_wall, 3),
+        "bar": "per-trial overhead <= 10% of a >= 2-minute trial",
+    }
+    out["bar_met"] = direct_wall >= 120 and out["overhead_per_trial_frac"] <= 0.10
+    print(json.dumps(out, indent=2))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sweep_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

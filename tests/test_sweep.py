@@ -1,0 +1,201 @@
+"""The sweep adapter against a real local Ray cluster (one per module, 2 CPUs) and a temporary MLflow
+store: search-algorithm construction, sampled values reaching the trainer, cluster-mode checks, a
+2-trial smoke sweep (1 parent + 2 child runs), and (slow) a NaN trial marked FAILED while the other
+completes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import search_spaces  # noqa: E402
+from nmtcore import sweep, tracking  # noqa: E402
+from nmtcore.train import Callback  # noqa: E402
+from search_spaces import SearchSpace, grid, loguniform, uniform  # noqa: E402
+from tests.synthetic import tiny_experiment  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs, no dashboard) for the module, its session files cleaned after."""
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are length-limited
+    sweep.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
+    yield
+    sweep.shutdown_ray()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A sqlite MLflow store whose schema exists (created once, before parallel trials open it)."""
+    uri = "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
+    tracking.Tracker(uri, experiment="warmup").end()
+    return uri
+
+
+def tiny(tmp: Path, **overrides):
+    return tiny_experiment(tmp, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1,
+                                   **overrides})
+
+
+def settings(tmp: Path, name: str, uri: str, **kw) -> sweep.SweepSettings:
+    return sweep.SweepSettings(name=name, storage=str(tmp / "ray_results"), tracking_uri=uri, verbose=0,
+                               report_dir=str(tmp / "report"), experiment=name, **kw)
+
+
+def runs_of(name: str, uri: str):
+    runs = tracking.load_runs(name, uri)
+    return [r for r in runs if r.parent_run_id is None], [r for r in runs if r.parent_run_id is not None]
+
+
+# ------------------------------------------------------------------------------- adapter construction
+def test_grid_spaces_use_the_grid_and_fifo_and_seeds_are_a_dimension():
+    from ray.tune.schedulers import FIFOScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    space = search_spaces.get_space("transformer_grid:demo")
+    s = sweep.SweepSettings(name="x", storage="/tmp", seeds=3)
+    grid_alg = sweep.search_algorithm(space, s, max_concurrent=2)
+    assert isinstance(grid_alg, BasicVariantGenerator) and grid_alg.max_concurrent == 2
+    assert isinstance(sweep.scheduler(space, s, max_epochs=10), FIFOScheduler)
+    pspace = sweep.param_space(space, seeds=3, base_seed=7)
+    assert pspace["train.seed"] == {"grid_search": [7, 8, 9]}
+    assert pspace["model.d_model"] == {"grid_search": [128, 256]}
+    assert sweep.num_samples(space, s) == 1
+    assert len(sweep.preview_samples(space, 100, seeds=3, base_seed=7)) == 12  # 2 x 2 x 3 seeds
+
+
+def test_sampled_spaces_use_seeded_optuna_tpe_with_asha_and_repeats_for_seeds():
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import Repeater
+    from ray.tune.search.optuna import OptunaSearch
+
+    space = search_spaces.get_space("transformer_grid:optuna")
+    one = sweep.search_algorithm(space, sweep.SweepSettings(name="x", storage="/tmp", optuna_seed=3))
+    assert isinstance(one, OptunaSearch) and one._sampler.__class__.__name__ == "TPESampler"
+    rep = sweep.search_algorithm(space, sweep.SweepSettings(name="x", storage="/tmp", seeds=2))
+    assert isinstance(rep, Repeater) and rep.repeat == 2
+    asha = sweep.scheduler(space, sweep.SweepSettings(name="x", storage="/tmp", grace_period=2), max_epochs=8)
+    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "epoch" and asha._max_t == 8
+    assert not asha._stop_last_trials  # a trial that reached the last epoch still decodes its test set
+    off = sweep.scheduler(space, sweep.SweepSettings(name="x", storage="/tmp", early_stopping=False), max_epochs=8)
+    assert not isinstance(off, ASHAScheduler)
+    assert sweep.num_samples(space, sweep.SweepSettings(name="x", storage="/tmp", seeds=2)) == 16
+    # Seeded: the same suggestions twice; different from another seed.
+    a = sweep.preview_samples(space, 3, optuna_seed=0)
+    assert a == sweep.preview_samples(space, 3, optuna_seed=0)
+    assert a != sweep.preview_samples(space, 3, optuna_seed=1)
+
+
+def test_samples_reach_the_trainer_config(tmp_path):
+    """Two samples drawn by the sweep's own search algorithm give two trainer configs that carry them."""
+    base = tiny(tmp_path)
+    for space in (SearchSpace("t", "grid", "transformer", params={"model.d_model": grid((32, 64))}),
+                  SearchSpace("t", "tpe", "transformer", params={"train.lr": loguniform(1e-4, 1e-2),
+                                                                 "model.dropout": uniform(0.0, 0.3)})):
+        samples = sweep.preview_samples(space, 2, seeds=2 if space.sampled else 1)
+        cfgs = [sweep.trial_config(base, sweep.trial_overrides(space, s, base.train.seed), tmp_path / str(i))
+                for i, s in enumerate(samples)]
+        flat = [c.flat() for c in cfgs]
+        for sample, f in zip(samples, flat):
+            for key in space.params:
+                assert f[key] == pytest.approx(sample[key])
+        assert {k: v for k, v in flat[0].items() if k != "output_dir"} != \
+               {k: v for k, v in flat[1].items() if k != "output_dir"}
+
+
+def test_cluster_mode_needs_a_tracking_server_and_shared_storage(ray_cluster, tmp_path):
+    base = tiny(tmp_path)
+    local = sweep.resolve_settings(sweep.SweepSettings(name="x", storage=str(tmp_path), address="10.0.0.1:6379",
+                                                       tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
+    with pytest.raises(sweep.SweepError, match="needs an MLflow tracking server every node can reach"):
+        sweep.check_cluster(local, base)
+    served = sweep.resolve_settings(sweep.SweepSettings(name="x", storage=str(tmp_path / "shared"),
+                                                        address="10.0.0.1:6379", tracking_uri="http://127.0.0.1:1"))
+    sweep.check_cluster(served, base)  # one node here: it sees the storage and data paths
+    assert sweep.trials_that_fit(served) == 2
+    with pytest.raises(sweep.SweepError, match="a trial needs 3 CPUs"):
+        sweep.trials_that_fit(sweep.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
+
+
+# ------------------------------------------------------------------------------- sweeps on Ray
+def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tmp_path):
+    space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
+    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "smoke", store), log_to_driver=False)
+    assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED", "TERMINATED"]
+
+    parents, children = runs_of("smoke", store)
+    assert len(parents) == 1 and len(children) == 2
+    assert parents[0].status == "FINISHED" and parents[0].tags["nmtcore.varied_keys"] == "model.d_model"
+    assert {c.parent_run_id for c in children} == {parents[0].run_id}
+    # The sampled value reached the trainer: each child logged (from inside its worker) its own d_model.
+    assert sorted(c.params["model.d_model"] for c in children) == ["32", "64"]
+    for c in children:
+        assert c.status == "FINISHED" and c.tags[tracking.TRIAL_STATE_TAG] == "complete"
+        for key in ("valid_loss", "valid_bleu", "test/test/bleu", "test/test/chrf", "cost/parameters",
+                    "cost/trainable_parameters", "cost/train_tokens_per_s", "cost/wall_s", "cost/cpu_s"):
+            assert key in c.metrics, key
+        epochs = tracking.get_run_metrics(c.run_id, store)["valid_loss"]
+        assert [step for step, _ in epochs] == [1, 2]
+        assert c.tags["nmtcore.node_ids"] and c.tags["varied.model.d_model"] in ("32", "64")
+        assert "references/test.yy" in tracking.list_artifacts(c.run_id, store)
+    # Both trials ran at once on the 2 CPUs.
+    (a, b) = sorted(children, key=lambda r: r.start_time)
+    assert b.start_time < a.end_time
+    # The report is in MLflow and on disk.
+    arts = tracking.list_artifacts(parents[0].run_id, store)
+    assert {"report/table.md", "report/bleu_vs_cost.png"} <= set(arts)
+    assert (tmp_path / "report" / "table.md").read_text().count("| 32 |") == 1
+    # Same name again without --resume: refused, nothing started.
+    with pytest.raises(sweep.SweepError, match="already exists.*--resume"):
+        sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "smoke", store), log_to_driver=False)
+
+
+@pytest.mark.slow  # ~60-80 s: the NaN trial is retried once (and fails fast) before it is given up
+def test_nan_trial_is_failed_with_reason_and_the_sweep_goes_on(ray_cluster, store, tmp_path):
+    class PoisonSmallModel(Callback):
+        """Turns the d_model=32 trial's weights into NaN at its first log: its next loss is NaN."""
+
+        def on_log(self, trainer, metrics):
+            if trainer.cfg.model.d_model == 32:
+                import torch
+
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.fill_(float("nan"))
+
+    space = SearchSpace("nan", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
+    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "nan", store, max_failures=1),
+                             trial_callbacks=[PoisonSmallModel()], log_to_driver=False)
+    assert not result.interrupted
+    status = {t.overrides["model.d_model"]: t.status for t in result.trials}
+    assert status == {32: "ERROR", 64: "TERMINATED"}
+    _, children = runs_of("nan", store)
+    assert len(children) == 2  # the retry re-attached, it did not add a run
+    by_d = {c.params["model.d_model"]: c for c in children}
+    bad, good = by_d["32"], by_d["64"]
+    assert bad.status == "FAILED" and bad.tags[tracking.FAILURE_KIND_TAG] == "nonfinite"
+    assert "NonFiniteLossError" in bad.tags[tracking.FAILURE_REASON_TAG]
+    assert good.status == "FINISHED" and "test/test/bleu" in good.metrics
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert "1 failed" in table and "NonFiniteLossError" in table
+
+
+@pytest.mark.slow  # ~60 s: a 2-worker gloo group per trial
+def test_ddp_trial_with_two_workers(ray_cluster, store, tmp_path):
+    """workers_per_trial=2: the unchanged trainer runs under DDP across two Ray Train workers."""
+    space = SearchSpace("ddp", "tiny", "transformer", params={"model.d_model": grid((32,))})
+    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "ddp", store, workers_per_trial=2,
+                                                             cpus_per_trial=2.0), log_to_driver=False)
+    (trial,) = result.trials
+    assert trial.status == "TERMINATED" and len(trial.node_ids) == 2
+    (child,) = [r for r in tracking.load_runs("ddp", store) if r.parent_run_id]
+    assert child.tags["nmtcore.world_size"] == "2" and child.status == "FINISHED"
+    assert child.params["train.num_threads"] == "1"  # 2 CPUs over 2 workers
+    assert "test/test/bleu" in child.metrics
