@@ -34,7 +34,6 @@ size no published BERT answers. ``transformers`` is imported lazily: importing t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -428,7 +427,6 @@ class WordPieceEncoder:
         self.cls_id, self.sep_id, self.pad_id = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
         if None in (self.cls_id, self.sep_id, self.pad_id):
             raise BertError("the BERT tokenizer has no [CLS], [SEP] or [PAD] token")
-        self.checksum = hashlib.sha256(backend.to_str().encode()).hexdigest()
 
     def _pieces(self, lines: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids int32, whitespace-word index int64) of each line's WordPieces, no specials."""
@@ -454,7 +452,6 @@ class WordPieceEncoder:
         for i, (line, (w_ids, w_words)) in enumerate(zip(lines, cur)):
             if ctx is None:
                 keep = min(len(w_ids), L - 2)
-                c_ids = np.zeros(0, dtype=np.int32)
                 ids = np.concatenate([[self.cls_id], w_ids[:keep], [self.sep_id]]).astype(np.int32)
                 segments = np.zeros(len(ids), dtype=np.int8)
                 offset = 1

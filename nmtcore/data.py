@@ -10,7 +10,9 @@ The stages, in the order data moves through them:
 3. **Learn** the joint subword vocabulary on the training split of both languages, **encode** every
    split, and **filter** the training pairs by length, Moses ``clean-corpus-n.perl`` style
    (:func:`prepare_data`).
-4. **Batch** them under a token budget, fairseq style (:func:`batch_indices`, :func:`collate`).
+4. **Batch** them under a token budget, fairseq style (:func:`batch_indices`, :func:`collate`). A
+   BERT-consuming model adds a second token stream per split (:class:`BertInputs`, built by
+   :mod:`nmtcore.bert`), which the budget counts and :func:`collate_bert` pads into ``Batch.extras``.
 
 Every failure is a one-line :class:`DataError` that names the file(s) and says how to fix it, and every
 cache write (downloads, cleaned text, vocabularies) goes to a temporary name first and is renamed into
@@ -550,7 +552,7 @@ class Batch:
     tgt_out: Tensor  # (B, T) int64: subwords + [eos], right-padded
     tgt_mask: Tensor  # (B, T) bool, True = padding (same for tgt_in and tgt_out)
     ids: Tensor  # (B,) int64
-    extras: dict[str, Tensor] = field(default_factory=dict)  # model-family inputs (e.g. BERT), batch first
+    extras: dict[str, Tensor] = field(default_factory=dict)  # model-family inputs (BERT: collate_bert), batch first
     # Counted on the CPU at collate time so reading it after .to("cuda") does not sync the device.
     _n_tgt_tokens: int | None = field(default=None, repr=False, compare=False)
 
