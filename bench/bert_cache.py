@@ -2,14 +2,16 @@
 every step (the original BERT-fused code's behaviour, bert-nmt issue #18), and vs the plain baseline
 epoch, measured side by side in one run.
 
-The BERT-consuming model is the baseline distilling from a frozen BERT (``train.kd_alpha=0.9``,
-``model.bert.name=minilm`` by default): the same Transformer plus the BERT stream, the teacher's states
-pooled per NMT token, a projection and the KD loss. All three runs train one full epoch of the
+The BERT-consuming model (``--model``): ``bert_fused`` (default; BERT-fused with drop-net, BERT's last
+layer attended from every encoder and decoder layer) or ``kd`` (the baseline distilling from a frozen
+BERT, ``train.kd_alpha=0.9``: the same Transformer plus the BERT stream, the teacher's states pooled per
+NMT token, a projection and the KD loss); ``model.bert.name=minilm`` by default. All three runs train one full epoch of the
 ``multi30k_small`` preset (the trainer's own batches, same seed) through ``Trainer.train_epoch``. The
 cache is built (or found) before the cached epoch starts; its one-time cost is printed on its own line.
 Bar (the issue): cached epoch <= 1.3 x baseline epoch.
 
-  python bench/bert_cache.py --data-dir ../shared/data [--threads 2] [--bert minilm] [--max-updates N]
+  python bench/bert_cache.py --data-dir ../shared/data [--threads 2] [--bert minilm] [--model bert_fused|kd]
+                             [--max-updates N]
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> int:
     p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bert", default="minilm", help="model.bert.name of the BERT-consuming model")
+    p.add_argument("--model", choices=("bert_fused", "kd"), default="bert_fused",
+                   help="the BERT-consuming model: BERT-fused, or the baseline with a KD teacher")
     p.add_argument("--precision", default="auto", help="train.precision (auto = bf16 where the CPU has it)")
     p.add_argument("--max-updates", type=int, default=0, help="time only the first N updates of each epoch")
     p.add_argument("--fresh-cache", action="store_true", help="delete the feature cache first (time its build)")
@@ -64,19 +68,24 @@ def main() -> int:
     cache = base.data.resolved_cache_dir() / "bert_features"
     if args.fresh_cache and cache.exists():
         shutil.rmtree(cache)
-    kd = {"train.kd_alpha": 0.9, "model.bert.name": args.bert}
+    if args.model == "kd":
+        bert = {"train.kd_alpha": 0.9, "model.bert.name": args.bert}
+        what = "KD teacher, alpha 0.9"
+    else:
+        bert = {"model.name": "bert_fused", "model.bert.name": args.bert}
+        what = "BERT-fused, p_net 1.0"
     m = base.model
     print(f"threads={torch.get_num_threads()} precision={args.precision} model={m.encoder_layers}+{m.decoder_layers} "
           f"d={m.d_model} vocab={len(data.vocab)} max_tokens={base.data.max_tokens} "
-          f"train_sentences={len(data.train)} bert={args.bert} (KD teacher, alpha 0.9) "
+          f"train_sentences={len(data.train)} bert={args.bert} ({what}) "
           f"updates_per_run={'full epoch' if not updates else updates}", flush=True)
 
     baseline = epoch(base, data, "baseline (no BERT)")
-    cached = epoch(base.with_overrides(kd), data, "BERT, cached features")
+    cached = epoch(base.with_overrides(bert), data, "BERT, cached features")
     size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy")) / 2**20 if cache.exists() else 0.0
     print(f"feature cache: {cache} ({size:.0f} MiB on disk); first-time build is part of the setup_s above "
           "(0 s extra once cached: reused across epochs, phases and sweep trials)", flush=True)
-    recompute = epoch(base.with_overrides({**kd, "model.bert.use_cache": False}), data, "BERT, recomputed every step")
+    recompute = epoch(base.with_overrides({**bert, "model.bert.use_cache": False}), data, "BERT, recomputed every step")
 
     print(f"RESULT cached/baseline={cached['epoch_s'] / baseline['epoch_s']:.3f} (bar <= 1.3) "
           f"recompute/baseline={recompute['epoch_s'] / baseline['epoch_s']:.3f} "

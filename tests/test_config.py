@@ -95,3 +95,15 @@ def test_switching_model_family_keeps_shared_dims_and_bert():
     assert cfg.model.name == other and type(cfg.model) is MODEL_REGISTRY[other][0]
     assert (cfg.model.d_model, cfg.model.encoder_layers, cfg.model.ffn_dim) == (256, 3, 1024)
     assert cfg.model.bert.name == "minilm"
+
+
+def test_switching_model_family_and_setting_its_own_fields_in_one_call():
+    # `--set model.name=bert_jam model.phase_epochs=[1,1,1]`: the new family's fields exist in the same call.
+    cfg = preset("multi30k_small").with_overrides(parse_overrides(
+        ["model.name=bert_jam", "model.bert.name=minilm", "model.phase_epochs=[1,1,1]", "model.d_model=128"]))
+    assert (cfg.model.name, cfg.model.phase_epochs, cfg.model.d_model) == ("bert_jam", (1, 1, 1), 128)
+    fused = preset("multi30k_small").with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm",
+                                                    "model.p_net": 0.0})
+    assert fused.model.p_net == 0.0 and fused.model.ffn_dim == 1024
+    with pytest.raises(ConfigError, match="model.phase_epochs: unknown key"):  # the transformer has no phases
+        preset("multi30k_small").with_overrides({"model.phase_epochs": [1, 1, 1]})
