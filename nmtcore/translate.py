@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
+from nmtcore.bert import bert_layers, word_start_table
 from nmtcore.checkpoint import load_checkpoint, load_model_weights
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import encode_split
@@ -27,6 +28,8 @@ class Translator:
 
     def translate(self, lines: list[str]) -> list[str]:
         split = encode_split(self.vocab, "input", [" ".join(line.split()) for line in lines])
+        for bert in bert_layers(self.model)[:1]:  # a BERT-consuming model reads its own stream of the input
+            split.bert = bert.encode_split(split, word_start_table(self.vocab))
         return translate_split(self.model, split, self.vocab, self.cfg.decode, self.device)
 
 

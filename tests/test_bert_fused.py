@@ -153,3 +153,25 @@ def test_warm_start_fails_loudly_on_vocabulary_or_dimension_mismatch(tmp_path):
                                                "vocab": {"checksum": "v1"}})
     with pytest.raises(CheckpointError, match=r"src_embed.weight has shape \(48, 32\) in the checkpoint"):
         warm_start(model, path, cfg, SimpleNamespace(checksum="v1"))
+
+
+def test_translator_builds_the_bert_stream_of_raw_input(tmp_path):
+    """``nmtcore translate`` on a BERT-fused checkpoint: raw lines get their own BERT stream, and the
+    hypotheses equal those of the test split decoded at the end of training."""
+    from pathlib import Path
+
+    from nmtcore.data import prepare_data
+    from nmtcore.train import run_experiment
+    from nmtcore.translate import load_translator
+    from tests.synthetic import tiny_experiment
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "train.max_epochs": 1,
+                                       # live BERT both ways (the cache stores fp16 features: near-ties may flip)
+                                       "model.bert.use_cache": False})
+    summary = run_experiment(cfg)
+    test = prepare_data(cfg.data).splits["test"]
+    src = list(test.raw_src)  # the same batches as the end-of-training decode: exact equality
+    translator = load_translator(Path(cfg.output_dir) / "checkpoints" / "epoch1.pt")
+    expected = Path(summary["test"]["test"]["hyp_path"]).read_text(encoding="utf-8").splitlines()
+    assert translator.translate(src) == expected
