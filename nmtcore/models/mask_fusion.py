@@ -1,0 +1,299 @@
+"""Two-stage interactive fusion of BERT into NMT (seed 004, the mask-knowledge-matrix model): BERT's layers
+fused by a GLU, a mask knowledge matrix at the source embeddings, an adaptive fusion after the encoder.
+
+The Transformer baseline is kept whole (embeddings, encoder and decoder stacks, output layer, with the
+baseline's parameter names, so a trained baseline warm-starts this model: Section 2.4, ``train.init_from``,
+:func:`nmtcore.train.warm_start`); BERT enters the source side only, in two places:
+
+1. **Multi-layer BERT fusion** (Eq. 1-2, :class:`LayerFusion`): ``B = GLU(Concat(B_1..B_n) W)``,
+   ``W ∈ R^{n×2}`` mixes the layer axis into two channels, the GLU gates the first by σ of the second.
+   B_1..B_n are BERT's layers 1..L (the embeddings, hidden state 0, are not a layer).
+2. **Mask knowledge matrix** at the embedding layer (Eq. 3-6, :class:`MaskKnowledge`):
+   ``A = softmax(E (B_CLS w1 + b)ᵀ / d)`` over the source positions, ``m_i = 1 if a_i < θ``
+   (``model.mask_threshold``, the paper's 0.03), masked rows of E filled with ``model.mask_fill``
+   (−1e-9) to give Ẽ, gate ``G = λ B + (1 − λ) E``, ``λ = ReLU([B w3 ; E] w2)``, new embedding ``Ẽ + G``.
+3. **Adaptive fusion** after the encoder (Eq. 7-9, :class:`AdaptiveFusion`): single-head attention from the
+   encoder output E_N to B, ``η = σ(U E_N + V E_attn)``, ``E_out = (1 − η) E_N + η E_attn`` is what the
+   (unchanged) decoder attends to. Decoding therefore needs no BERT state: the decoder is the baseline's.
+
+Where the paper is ambiguous, the choices made here (config fields where they plausibly matter):
+
+- **Two tokenizations.** B lives on BERT's WordPiece stream, E on the NMT subwords. Eq. 5-6 add them
+  position by position, so B is pooled per NMT token through the BERT stream's word alignment
+  (``batch.extras["bert_align"]``, :func:`nmtcore.bert.pool_to_tokens`: the mean of the WordPieces of the
+  token's whitespace word). Positions with no WordPiece (eos, words cut by BERT's max length) get a zero
+  row. B_CLS is position 0 of the stream ([CLS]); Eq. 7 attends over the whole stream (its own padding
+  masked), where no pooling is needed.
+- **E** is the baseline's source embedding (token embedding × √d plus positions) *before* dropout; the
+  embedding dropout is applied once, to the new embedding ``Ẽ + G``. Eq. 3's softmax excludes padding.
+- **d in Eq. 3** is the paper's 512 = its d_model: ``model.mask_divisor`` (0 = d_model). Note the paper
+  divides by d, not √d, so A is close to uniform (≈ 1/length) unless E and B_CLS w1 align strongly.
+- **w1, b get no gradient**: Eq. 4 is a step function, so nothing differentiable reaches A. The paper
+  gives no estimator; we keep w1, b fixed at their (seeded) initial values: built with
+  ``requires_grad=False`` in their own parameter group ``mask_query`` (so a multi-GPU DDP run does not
+  fail on parameters that never receive a gradient). Checkpoints carry them.
+- **Eq. 5's B** is ``B w3`` (B's width is BERT's, E's is d_model; Eq. 6 already projects it by w3);
+  **λ is element-wise** (w2 ∈ R^{2d×d}: the paper calls w2 a matrix). w2, w3, U, V have no bias (none is
+  written); Eq. 3 has its b. λ is a ReLU as written (unbounded, so 1 − λ may be negative).
+- **Eq. 7** goes through the shared :class:`~nmtcore.layers.CrossAttention` with one head: query, key/value
+  and output projections (E_N and B differ in width, so Eq. 7 cannot be applied without them) and the
+  usual 1/√d scaling rather than the written 1/d. Its dropout is ``model.fusion_attention_dropout``
+  (0.2, Section 3.2).
+- **GLU init** (unspecified in the paper): as BERT-JAM's Eq. 11, W's value column selects B_n and its gate
+  column is 0, so ``B = B_n / 2`` at the start, a BERT-only-last-layer model (M1) at half scale.
+- **θ = 1** masks every position whose a_i < 1, i.e. every non-padding position of any source with two or
+  more positions (every sentence has its eos); a source of one position has a_1 = 1 and is never masked.
+
+Ablations (Table 4) are explicit fields, each also a registered variant (:mod:`nmtcore.models`):
+M1 ``bert_layers="last"`` (B = B_L, no GLU); M2 ``embedding_fusion="gate"`` (no mask matrix: the new
+embedding is ``E + G``; Table 4's M2 and Table 5's θ = 0 report the same 30.52, i.e. the gate stayed;
+``"none"`` drops the whole embedding stage); M3 ``adaptive_fusion=false`` (the decoder reads E_N).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmtcore.bert import BertLayer, BertOut, pool_to_tokens
+from nmtcore.config import ModelConfig, check, check_unit_interval
+from nmtcore.layers import CrossAttention
+from nmtcore.models.base import EncoderOut, ModelOutput
+from nmtcore.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch
+
+EMBEDDING_FUSIONS = ("mask", "gate", "none")
+
+
+@dataclass(frozen=True)
+class MaskFusionConfig(ModelConfig):
+    """Transformer fields plus the two fusion stages and their ablation switches. ``model.bert`` must name
+    a BERT (frozen in the paper: ``model.bert.freeze``, the default)."""
+
+    name: str = "mask_fusion"
+    mask_threshold: float = 0.03  # θ of Eq. 4, in [0, 1]; Table 5's best
+    bert_layers: str = "all"  # "all" (Eq. 1-2: GLU over B_1..B_L) | "last" (M1: B = B_L)
+    embedding_fusion: str = "mask"  # "mask" (Eq. 3-6: Ẽ + G) | "gate" (M2: E + G) | "none" (plain E)
+    adaptive_fusion: bool = True  # Eq. 7-9 after the encoder; false = M3 (the decoder reads E_N)
+    mask_fill: float = -1e-9  # value written into masked embedding rows (Section 2.2)
+    mask_divisor: float = 0.0  # d of Eq. 3; 0 = model.d_model (the paper's 512)
+    fusion_attention_dropout: float = 0.2  # dropout of Eq. 7's single-head attention (Section 3.2)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.bert.enabled, "model.bert.name",
+              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
+        check_unit_interval(self.mask_threshold, "model.mask_threshold")
+        check(self.bert_layers in ("all", "last"), "model.bert_layers",
+              f"must be 'all' or 'last', got {self.bert_layers!r}")
+        check(self.embedding_fusion in EMBEDDING_FUSIONS, "model.embedding_fusion",
+              f"must be one of {', '.join(EMBEDDING_FUSIONS)}, got {self.embedding_fusion!r}")
+        check(self.embedding_fusion != "none" or self.adaptive_fusion, "model.adaptive_fusion",
+              "with model.embedding_fusion=none as well, the model uses no BERT (use model.name=transformer)")
+        check(math.isfinite(self.mask_fill), "model.mask_fill", f"must be finite, got {self.mask_fill}")
+        check(self.mask_divisor >= 0, "model.mask_divisor",
+              f"must be >= 0 (0 = model.d_model), got {self.mask_divisor}")
+        check_unit_interval(self.fusion_attention_dropout, "model.fusion_attention_dropout")
+        check(self.fusion_attention_dropout < 1.0, "model.fusion_attention_dropout", "must be < 1")
+        for key, value in ABLATIONS.get(self.name, {}).items():  # a variant name means exactly its fields
+            check(getattr(self, key) == value, f"model.{key}",
+                  f"model {self.name} is defined by {key}={value!r}; use model.name=mask_fusion to change it")
+
+
+# Table 4's ablations: registered names → the fields that define them (the config classes below carry
+# them as defaults; validation refuses a variant name with other values, so a run labelled M1 is M1).
+ABLATIONS: dict[str, dict[str, object]] = {
+    "mask_fusion_m1": {"bert_layers": "last"},
+    "mask_fusion_m2": {"embedding_fusion": "gate"},
+    "mask_fusion_m3": {"adaptive_fusion": False},
+}
+
+
+@dataclass(frozen=True)
+class MaskFusionM1Config(MaskFusionConfig):
+    """M1: no multi-layer fusion, BERT's last layer only (B = B_L)."""
+
+    name: str = "mask_fusion_m1"
+    bert_layers: str = "last"
+
+
+@dataclass(frozen=True)
+class MaskFusionM2Config(MaskFusionConfig):
+    """M2: no mask knowledge matrix; the gate G stays (new embedding = E + G, the same as θ = 0)."""
+
+    name: str = "mask_fusion_m2"
+    embedding_fusion: str = "gate"
+
+
+@dataclass(frozen=True)
+class MaskFusionM3Config(MaskFusionConfig):
+    """M3: no adaptive fusion module; the decoder attends to the encoder output E_N."""
+
+    name: str = "mask_fusion_m3"
+    adaptive_fusion: bool = False
+
+
+# ---------------------------------------------------------------------- multi-layer BERT fusion (Eq. 1-2)
+class LayerFusion(nn.Module):
+    """Eq. 1-2: ``B = GLU(Concat(B_1..B_n) W)``, W (n → 2) over the layer axis; GLU(a, g) = a ⊙ σ(g).
+
+    ``proj.weight`` (2, n): row 0 mixes the value channel, row 1 the gate. Init: value = B_n, gate = 0,
+    so ``B = B_n / 2`` (the paper gives no init; BERT-JAM's Eq. 11).
+    """
+
+    def __init__(self, num_bert_layers: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(num_bert_layers, 2, bias=False)  # W ∈ R^{n×2}
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.weight[0, -1] = 1.0
+
+    def forward(self, states: Tensor) -> Tensor:
+        """states (B, T, n, H) → (B, T, H)."""
+        mixed = self.proj(states.transpose(2, 3))  # Eq. 1-2: B̂ W  (B, T, H, 2)
+        return F.glu(mixed, dim=-1).squeeze(-1)  # Eq. 2: value ⊙ σ(gate)  (B, T, H)
+
+
+# ---------------------------------------------------------------------- mask knowledge matrix (Eq. 3-6)
+class MaskKnowledge(nn.Module):
+    """Eq. 3-6 at the source embedding layer; ``use_mask=False`` is M2 (the gate only: E + G).
+
+    ``mask_query`` is (w1, b) of Eq. 3: fixed (no gradient reaches it through Eq. 4's step, see the
+    module docstring); ``bert_proj`` is w3, ``gate`` is w2 of Eq. 6.
+    """
+
+    def __init__(self, d_model: int, bert_dim: int, threshold: float, fill: float, divisor: float,
+                 use_mask: bool) -> None:
+        super().__init__()
+        self.threshold, self.fill, self.divisor = threshold, fill, divisor
+        self.mask_query = nn.Linear(bert_dim, d_model) if use_mask else None  # w1, b (Eq. 3)
+        if self.mask_query is not None:
+            self.mask_query.requires_grad_(False)
+        self.bert_proj = nn.Linear(bert_dim, d_model, bias=False)  # w3 (Eq. 6)
+        self.gate = nn.Linear(2 * d_model, d_model, bias=False)  # w2 (Eq. 6)
+        nn.init.xavier_uniform_(self.bert_proj.weight)
+        nn.init.xavier_uniform_(self.gate.weight)
+
+    def knowledge_mask(self, emb: Tensor, cls: Tensor, src_mask: Tensor) -> Tensor:
+        """M of Eq. 4: emb (B, S, C), cls = B_CLS (B, H), src_mask (B, S) True = padding → (B, S) bool,
+        True = masked (a_i < θ); padding is never marked."""
+        with torch.autocast(emb.device.type, enabled=False):  # A and its threshold in fp32
+            q = self.mask_query(cls.float())  # B_CLS w1 + b  (B, C)
+            scores = torch.einsum("bsc,bc->bs", emb.float(), q) / self.divisor  # (B, S)
+            a = torch.softmax(scores.masked_fill(src_mask, float("-inf")), dim=-1)  # Eq. 3, over positions
+        return (a < self.threshold) & ~src_mask  # Eq. 4
+
+    def forward(self, emb: Tensor, cls: Tensor, bert_tok: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """emb = E (B, S, C); cls = B_CLS (B, H); bert_tok = B pooled per NMT token (B, S, H).
+        Returns the new embedding Ẽ + G (B, S, C) and M (B, S) bool (all False without the mask)."""
+        b = self.bert_proj(bert_tok.to(emb.dtype))  # B w3  (B, S, C)
+        lam = torch.relu(self.gate(torch.cat([b, emb], dim=-1)))  # Eq. 6: λ  (B, S, C)
+        g = lam * b + (1 - lam) * emb  # Eq. 5: G
+        if self.mask_query is None:  # M2: no mask matrix, Ẽ = E
+            return emb + g, torch.zeros_like(src_mask)
+        m = self.knowledge_mask(emb, cls, src_mask)  # (B, S)
+        masked = emb.masked_fill(m.unsqueeze(-1), self.fill)  # Ẽ: M' (B, S, 1) rows filled
+        return masked + g, m
+
+
+# ---------------------------------------------------------------------- adaptive fusion (Eq. 7-9)
+class AdaptiveFusion(nn.Module):
+    """Eq. 7-9: single-head attention from E_N to B, then the sigmoid gate η between the two."""
+
+    def __init__(self, d_model: int, bert_dim: int, attention_dropout: float) -> None:
+        super().__init__()
+        self.attn = CrossAttention(d_model, 1, attention_dropout, kdim=bert_dim)  # Eq. 7, one head
+        self.u = nn.Linear(d_model, d_model, bias=False)  # U (Eq. 8)
+        self.v = nn.Linear(d_model, d_model, bias=False)  # V (Eq. 8)
+        nn.init.xavier_uniform_(self.u.weight)
+        nn.init.xavier_uniform_(self.v.weight)
+
+    def forward(self, enc: Tensor, bert: Tensor, bert_mask: Tensor) -> Tensor:
+        """enc = E_N (B, S, C); bert = B (B, Tb, H), bert_mask (B, Tb) True = padding → E_out (B, S, C)."""
+        e_attn = self.attn(enc, bert, bert_mask)  # Eq. 7: E^B_attn  (B, S, C)
+        eta = torch.sigmoid(self.u(enc) + self.v(e_attn))  # Eq. 8
+        return (1 - eta) * enc + eta * e_attn  # Eq. 9
+
+
+# ---------------------------------------------------------------------- the model
+class MaskFusion(Transformer):
+    """The baseline with BERT fused at the source embeddings (Eq. 3-6) and after the encoder (Eq. 7-9).
+
+    Embeddings, layer stacks, norms and output projection are the baseline's modules under the baseline's
+    names; ``layer_fusion``, ``knowledge`` and ``adaptive`` are new (each absent in the ablation that drops
+    it), as is the BERT.
+    """
+
+    bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
+
+    def __init__(self, cfg: MaskFusionConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
+        super().__init__(cfg, vocab_size, pad_id, bos_id, eos_id)
+        # All hidden states 0..L (the cache stores these, shared with BERT-JAM's) of which Eq. 1 reads
+        # 1..L; M1 reads L only.
+        self.bert = BertLayer(cfg.bert, layers=None if cfg.bert_layers == "all" else (-1,))
+        bert_dim = self.bert.hidden_size
+        self.layer_fusion = LayerFusion(self.bert.num_layers) if cfg.bert_layers == "all" else None
+        self.knowledge = None
+        if cfg.embedding_fusion != "none":
+            self.knowledge = MaskKnowledge(cfg.d_model, bert_dim, cfg.mask_threshold, cfg.mask_fill,
+                                           cfg.mask_divisor or cfg.d_model, cfg.embedding_fusion == "mask")
+        self.adaptive = (AdaptiveFusion(cfg.d_model, bert_dim, cfg.fusion_attention_dropout)
+                         if cfg.adaptive_fusion else None)
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """``bert`` (the BERT), ``mask_query`` (Eq. 3's fixed w1, b; empty without the mask) and ``nmt``
+        (everything else, the fusion modules included)."""
+        bert = list(self.bert.parameters())
+        query: list[nn.Parameter] = []
+        if self.knowledge is not None and self.knowledge.mask_query is not None:
+            query = list(self.knowledge.mask_query.parameters())
+        taken = {id(p) for p in bert + query}
+        return {"bert": bert, "mask_query": query, "nmt": [p for p in self.parameters() if id(p) not in taken]}
+
+    # ------------------------------------------------------------------ pieces
+    def bert_memory(self, bert_out: BertOut) -> Tensor:
+        """B: the GLU over BERT layers 1..L (Eq. 1-2), or B_L (M1). (B, Tb, H)"""
+        if self.layer_fusion is None:
+            return bert_out.last
+        return self.layer_fusion(torch.stack(bert_out.states[1:], dim=2))  # (B, Tb, L, H) → (B, Tb, H)
+
+    def embed_source(self, batch: "Batch", bert: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The encoder's input: Ẽ + G (Eq. 3-6), E + G (M2) or E, then dropout. Returns (B, S, C) and
+        M (B, S) bool (None without the embedding stage)."""
+        x = self.src_embed(batch.src) * self.embed_scale + self.positions(batch.src.size(1))  # E (B, S, C)
+        m = None
+        if self.knowledge is not None:
+            bert_tok, _ = pool_to_tokens(bert, batch.extras["bert_align"])  # B per NMT token (B, S, H)
+            x, m = self.knowledge(x, bert[:, 0], bert_tok, batch.src_mask)  # B_CLS = [CLS], stream position 0
+        return F.dropout(x, self.cfg.dropout, self.training), m
+
+    def encode_with_mask(self, batch: "Batch") -> tuple[EncoderOut, Tensor | None]:
+        """:meth:`encode` plus the knowledge mask M (B, S) (None without the embedding stage)."""
+        bert_out = self.bert(batch)
+        bert = self.bert_memory(bert_out)  # B (B, Tb, H)
+        x, m = self.embed_source(batch, bert)
+        for layer in self.encoder_layers:
+            x = layer(x, batch.src_mask)
+        x = self.encoder_norm(x)  # E_N (B, S, C)
+        if self.adaptive is not None:
+            x = self.adaptive(x, bert, bert_out.mask)  # E_out (Eq. 9)
+        return EncoderOut(out=x, mask=batch.src_mask), m
+
+    # ------------------------------------------------------------------ interface
+    def encode(self, batch: "Batch") -> EncoderOut:
+        return self.encode_with_mask(batch)[0]
+
+    def forward(self, batch: "Batch") -> ModelOutput:
+        enc_out, m = self.encode_with_mask(batch)
+        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
+        extras = {"enc_out": enc_out.out, "dec_hidden": h}
+        if m is not None:
+            extras["knowledge_mask"] = m  # (B, S) True = embedding masked (Eq. 4)
+        return ModelOutput(logits=self.output_logits(h), extras=extras)
