@@ -6,6 +6,8 @@
   width and BERT's last layer, padding masked. The model supplies both states as extras
   (:class:`nmtcore.bert.BertKD`); any model that returns them can be distilled.
 - :func:`training_loss`: what the trainer calls; picks KD when ``train.kd_alpha < 1``.
+- :func:`with_aux`: auxiliary losses a model returns as extras (:data:`AUX_EXTRAS`, PLM-sponsored NMT's
+  L_MLM and L_T), added with weight 1 as per-token means (Eq. 9: ``L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import Tensor, nn
 from nmtcore.config import ConfigError, TrainConfig, check_unit_interval
 
 KD_EXTRAS = ("kd_hidden", "kd_target", "kd_mask")
+# Scalar per-token-mean losses a model may return as extras while training (PLM-sponsored NMT Eq. 8-9).
+AUX_EXTRAS = ("mlm_loss", "tgt_lm_loss")
 
 
 @dataclass
@@ -79,23 +83,44 @@ def with_kd(nmt: LossOut, kd: Tensor, alpha: float) -> LossOut:
     return LossOut(loss=loss, nll=nmt.nll, n_tokens=nmt.n_tokens, kd=kd.detach())
 
 
+def with_aux(lo: LossOut, extras: dict[str, Tensor]) -> LossOut:
+    """Eq. 9 (PLM-sponsored NMT): add each :data:`AUX_EXTRAS` loss present in ``extras`` with weight 1.
+
+    They are per-token means, so they enter as ``mean·n_tokens``: after the trainer's division by
+    ``n_tokens`` each adds exactly its mean. ``nll`` and ``kd`` are unchanged.
+    """
+    aux = [extras[k].float() for k in AUX_EXTRAS if k in extras]
+    if not aux:
+        return lo
+    return LossOut(loss=lo.loss + sum(aux) * lo.n_tokens, nll=lo.nll, n_tokens=lo.n_tokens, kd=lo.kd)
+
+
 def training_loss(logits: Tensor, extras: dict[str, Tensor], target: Tensor, cfg: TrainConfig, pad_id: int) -> LossOut:
     """The training objective ``cfg`` selects: label-smoothed NLL, plus KD from BERT when
     ``cfg.kd_alpha < 1`` (then ``extras`` must hold ``kd_hidden``, ``kd_target`` and ``kd_mask``)."""
     lo = label_smoothed_nll(logits, target, cfg.label_smoothing, pad_id)
     if cfg.kd_alpha >= 1.0:
-        return lo
+        return with_aux(lo, extras)
     missing = [k for k in KD_EXTRAS if k not in extras]
     if missing:
         raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs a BERT teacher, but the model returned no "
                           f"{', '.join(missing)}; set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-    return with_kd(lo, kd_mse(extras["kd_hidden"], extras["kd_target"], extras["kd_mask"]), cfg.kd_alpha)
+    return with_aux(with_kd(lo, kd_mse(extras["kd_hidden"], extras["kd_target"], extras["kd_mask"]), cfg.kd_alpha),
+                    extras)
 
 
 def check_kd(cfg: TrainConfig, model: nn.Module) -> None:
     """Fail before training when KD is asked for without a teacher, or a teacher is built but unused."""
     from nmtcore.bert import BertKD
 
+    # A model distilling from a frozen copy of its own PLM (PLM-sponsored NMT) says whether it built one;
+    # an idle one (kd_alpha = 1: Table 3's "-L_kd", the α sweep's α = 1) is allowed.
+    own = getattr(model, "own_kd_teacher", None)
+    if own is not None:
+        if cfg.kd_alpha < 1.0 and not own:
+            raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs the model's KD teacher: "
+                              "set model.kd_teacher=true")
+        return
     has_teacher = any(isinstance(m, BertKD) for m in model.modules())
     if cfg.kd_alpha < 1.0 and not has_teacher:
         raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs a BERT teacher: set model.bert.name "
@@ -105,4 +130,5 @@ def check_kd(cfg: TrainConfig, model: nn.Module) -> None:
                           "KD off; set train.kd_alpha < 1 (0.9 in the PLM-sponsored paper) or leave model.bert empty")
 
 
-__all__ = ["LossOut", "label_smoothed_nll", "kd_mse", "with_kd", "training_loss", "check_kd", "KD_EXTRAS"]
+__all__ = ["LossOut", "label_smoothed_nll", "kd_mse", "with_kd", "training_loss", "check_kd", "KD_EXTRAS",
+           "with_aux", "AUX_EXTRAS"]

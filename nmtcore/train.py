@@ -42,7 +42,7 @@ from nmtcore.devices import autocast, autocast_dtype, default_device
 from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate, inference_batches, prepare_data
 from nmtcore.bert import ensure_bert, prepare_bert_inputs
 from nmtcore.losses import check_kd, label_smoothed_nll, training_loss
-from nmtcore.models import NMTModel, build_model
+from nmtcore.models import NMTModel, build_model, prepare_model_resources
 from nmtcore.optim import InverseSqrtSchedule, build_optimizer
 
 log = logging.getLogger("nmtcore.train")
@@ -516,6 +516,7 @@ def run_experiment(cfg: ExperimentConfig, callbacks: list[Callback] | tuple[Call
     cfg = ensure_bert(cfg)  # resolve (or pretrain here) the experiment's BERT before the model is built
     setup_torch(cfg)
     data = data or prepare_data(cfg.data)
+    cfg = prepare_model_resources(cfg, data)  # the model class's own preprocessing (none for most)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
     trainer = Trainer(cfg, model, data, callbacks, device)
     resumed = trainer.resume() if resume else False

@@ -1,0 +1,671 @@
+"""PLM-sponsored NMT (seed 001): a source BERT as the encoder, a target BERT as a causal decoder, and a
+randomly initialised *coordinator* that combines the two; half-layer KD, MLM and a target-LM loss.
+
+Architecture (Section 2.2-2.3):
+
+- **Encoder** = the source BERT (``model.bert``, fine-tuned: ``model.bert.freeze=false``) over the batch's
+  WordPiece stream (``batch.extras["bert_ids"]``, built by :func:`nmtcore.bert.prepare_bert_inputs`), so
+  the NMT source subwords are not read: the paper tokenises "languages using embeddings of PLMs" with the
+  BERT's own vocabulary (Section 3.1). Eq. 6 gates the top state h_M with the half-layer state h_{M/2}:
+  ``g = σ([h_M ; h_{M/2}] W)``, ``h_S = g·h_M + (1 − g)·h_{M/2}``, ``r_S = LN(FFN(h_S) + h_S)``
+  (``model.encoder_gate=false``: ``r_S = h_M``, the "top layer only" variant of Section 4.1).
+- **Decoder** = the target BERT (``model.tgt_bert``, e.g. the platform's own German
+  ``pretrained-here:L4-H256:multi30k:de``) run causally, self-attention only, with an incremental cache.
+  Design choice (stated, as the issue allows): it is a BERT-architecture stack built from
+  :mod:`nmtcore.layers` primitives and *initialised from the target BERT's weights* (layers, position and
+  token-type embeddings, embedding LayerNorm), reading **NMT target subwords** whose embedding table is
+  the frequency-weighted embedding transformation of the BERT's WordPiece embeddings (FWET, Algorithm 1,
+  ``model.fwet``; without it the table starts random). This is the paper's "+FWET" setting (Section 2.4,
+  Table 5), needs no second WordPiece stream of the target text (a batch carries one BERT stream, the
+  source's), and lets beam search decode the NMT vocabulary directly.
+- **Coordinator** (Eq. 2), ``model.decoder_layers`` layers of width ``model.d_model``:
+  ``r_all = [r_S ; r_T ; r_{j−1}]``, ``h_j = Attention(r_{j−1}, r_all, r_all) + r_{j−1}``,
+  ``r_j = LN(FFN(h_j) + h_j)``, ``r_0 = r_T + positions`` (sinusoidal). One key/value projection for all
+  three parts, as ``Attention(r_{j−1}, r_all, r_all)`` reads. The mask (Eq. 3) is
+  ``M = [M_S | M_T | M_h]``: all source positions (but padding), target positions ≤ t in both target
+  parts (upper-triangular masks, diagonal visible). r_S and r_T are projected to d_model when the BERT
+  widths differ (the paper's coordinator is Transformer-base sized, its BERTs 768 wide: it must project
+  too but does not say how; a linear map here).
+- **Output**: logits through the target embedding (``model.share_embeddings``: tied, via a linear map
+  d_model → target BERT width when they differ; else an own output matrix).
+
+Losses (Eq. 4-9) stay in :mod:`nmtcore.losses`; ``forward`` returns them as named extras while training:
+
+- **Half-layer KD** (Eq. 4-5): a frozen copy of the source BERT taken at construction is the teacher
+  (``model.kd_teacher``); ``kd_hidden`` = the student's layer-M/2 state (``model.kd_layer=full``: layer M,
+  Table 3's "+L_fkd"), ``kd_target`` = the teacher's last layer, ``kd_mask`` = the WordPiece padding. The
+  weight is the platform's ``train.kd_alpha`` = α of ``L = α·L_NMT + (1 − α)·L_KD``, **the weight of the
+  NMT term** (paper: α = 0.9). The public code (akibcmi/PLM-NMT, its label-smoothed criterion) puts its
+  α on the KD term (default 0.1): the same objective, so its ``0.1`` is our ``train.kd_alpha=0.9``; it
+  also scales L_MLM by its (1 − α), where Eq. 9 adds L_MLM outside the KD combination: we follow Eq. 9.
+  ``train.kd_alpha`` defaults to 1 (no KD): set 0.9 for the paper's objective. An idle teacher (``kd_alpha = 1``) is allowed, so the α sweep can include 1.
+- **MLM** on the encoder (``model.mlm_loss``, Section 2.5): a masked copy of the WordPiece stream runs
+  through the encoder BERT in a separate pass (the NMT pass reads the unmasked sentence, as the paper
+  says); BERT's recipe, ``model.mlm_prob`` (15%) of the non-special positions, 80% [MASK] / 10% random /
+  10% kept. The prediction head (dense + GELU + LN, decoder tied to BERT's word embeddings) starts fresh:
+  :class:`~nmtcore.bert.BertLayer` loads BertModel without its pretraining heads. Returned as
+  ``mlm_loss``, a mean over masked positions.
+- **Target LM** L_T (Eq. 8, ``model.tgt_lm_loss``): the decoder alone (no source) predicts t_j from
+  t_<j through the tied target embedding, on a random ``model.tgt_lm_fraction`` (10%) of the non-pad
+  target positions per batch (Bernoulli draws). Returned as ``tgt_lm_loss``, a mean over those positions.
+- Eq. 9, ``L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T``, is :func:`nmtcore.losses.training_loss`: every
+  term enters as a per-token mean with weight 1 (the trainer divides the summed NMT loss by its tokens).
+
+Table 3's ablations are these switches: ``model.mlm_loss``, ``model.tgt_lm_loss``, ``train.kd_alpha``
+(1 = no L_kd; also ``model.kd_teacher=false`` so no teacher is built) and ``model.kd_layer``
+(search_spaces/ablations.py ``plm_sponsored_loss``).
+
+Choices where the paper is silent or ambiguous (each a config field where it plausibly matters):
+``model.encoder_layers`` is not read (the encoder is the source BERT); ``model.decoder_layers`` is the
+coordinator depth; ``model.pre_norm`` must stay false (Eq. 2 is post-norm; it has no LayerNorm after the
+attention residual and we follow it); ``model.bert.kd_layer`` is the baseline's switch and is not read
+here (``model.kd_layer`` is, default "half", so a config carried over from a baseline cannot silently
+distil the top layer); the gate's W has no bias, as Eq. 6 writes it; the Eq. 6 FFN has ``model.ffn_dim``
+units and ``model.activation``; both BERTs keep their own dropout rates (the paper's PLM dropout 0.5
+on IWSLT is not applied); target positions past the target BERT's table reuse its last position
+embedding; of ``model.tgt_bert`` only the name or size, ``freeze`` (default false: the decoder is
+fine-tuned), ``cache_dir`` and ``pretrain_*`` are read.
+
+FWET (Algorithm 1) is a preprocessing step (:func:`fwet_counts`, :func:`fwet_softmax`,
+:func:`fwet_matrix`, cached by :func:`build_fwet` / :func:`prepare_fwet`): run it once per (vocabulary,
+target BERT, corpus) and point ``model.fwet`` at the file. Token identity (Algorithm 1 lines 6 and 9)
+compares spellings: a SentencePiece piece ``▁Hund`` is spelled ``hund`` (the BERT's normaliser, e.g.
+lowercasing), a continuation piece ``e`` is ``##e``; the softmax of line 27 runs over the WordPieces
+an NMT subword co-occurred with (never over the whole WordPiece vocabulary); NMT subwords never seen keep
+their random init; pad / unk / bos / eos take [PAD] / [UNK] / [CLS] / [SEP].
+
+A target BERT made here must exist before the model is built (``nmtcore bert-pretrain --layers 4
+--hidden 256 --corpus multi30k --lang de``); :func:`nmtcore.bert.ensure_bert` prepares only ``model.bert``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmtcore.bert import BertError, BertLayer, BertSpec, ResolvedBert, default_cache_dir, resolve_bert
+from nmtcore.config import BertConfig, ConfigError, ExperimentConfig, ModelConfig, check
+from nmtcore.layers import FeedForward, Residual, SelfAttention, SinusoidalPositions, attend, merge_heads, split_heads
+from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput, NMTModel
+
+if TYPE_CHECKING:
+    from nmtcore.data import Batch, PreparedData
+    from nmtcore.tokenization import SubwordVocab
+
+# The platform's own German BERT (nmtcore.bert_pretrain) is the default target PLM (En→De Multi30k).
+DEFAULT_TGT_BERT = "pretrained-here:L4-H256:multi30k:de"
+
+
+@dataclass(frozen=True)
+class PlmSponsoredConfig(ModelConfig):
+    """Transformer fields (d_model, heads, ffn_dim, dropout: the coordinator's; decoder_layers: its depth)
+    plus the two BERTs and the loss switches of Table 3. See the module docstring."""
+
+    name: str = "plm_sponsored"
+    bert: BertConfig = field(default_factory=lambda: BertConfig(name="minilm", freeze=False))
+    tgt_bert: BertConfig = field(default_factory=lambda: BertConfig(name=DEFAULT_TGT_BERT, freeze=False))
+    encoder_gate: bool = True  # Eq. 6 gate + FFN + LN over h_M, h_{M/2}; false: r_S = h_M
+    kd_teacher: bool = True  # build the frozen source-BERT teacher (needed for train.kd_alpha < 1)
+    kd_layer: str = "half"  # student state of Eq. 4: "half" = h_{M/2}; "full" = h_M (Table 3's L_fkd)
+    mlm_loss: bool = True  # L_MLM on the encoder (Eq. 9)
+    mlm_prob: float = 0.15  # fraction of WordPieces masked for L_MLM
+    tgt_lm_loss: bool = True  # L_T on the decoder (Eq. 8-9)
+    tgt_lm_fraction: float = 0.1  # fraction of target tokens L_T is computed on
+    fwet: str = ""  # FWET embedding file (build_fwet / prepare_fwet); "" = random target embeddings
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.bert.enabled, "model.bert.name",
+              f"{self.name} needs a source BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
+        check(self.tgt_bert.enabled, "model.tgt_bert.name",
+              f"{self.name} needs a target BERT: set model.tgt_bert.name (e.g. {DEFAULT_TGT_BERT})")
+        check(not self.pre_norm, "model.pre_norm", f"{self.name}'s coordinator is post-norm (Eq. 2); set it to false")
+        check(self.kd_layer in ("half", "full"), "model.kd_layer", f"must be 'half' or 'full', got {self.kd_layer!r}")
+        check(0.0 < self.mlm_prob < 1.0, "model.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
+        check(0.0 < self.tgt_lm_fraction <= 1.0, "model.tgt_lm_fraction",
+              f"must be in (0, 1], got {self.tgt_lm_fraction}")
+        check(not (self.bert.freeze and (self.mlm_loss or self.kd_teacher)), "model.bert.freeze",
+              f"{self.name} fine-tunes its source BERT for L_MLM and L_KD: set model.bert.freeze=false, or turn "
+              "model.mlm_loss and model.kd_teacher off")
+
+
+# ---------------------------------------------------------------------- FWET (Algorithm 1)
+def fwet_counts(pairs: Iterable[tuple[Sequence[Hashable], Sequence[Hashable]]],
+                same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> dict[Hashable, dict[Hashable, float]]:
+    """Algorithm 1, lines 1-25: ``dic^N`` from (NMT tokens, PLM tokens) of every sentence.
+
+    Equal tokens are peeled off both ends (+1 each; first from the front, then from the back), and every
+    remaining NMT token co-occurs with every remaining PLM token with weight ``w = len(S^P)/len(S^N)``.
+    ``same(n, p)`` decides token identity (default ``==``). Returns ``{n: {p: count}}``.
+    """
+    dic: dict[Hashable, dict[Hashable, float]] = {}
+
+    def add(n: Hashable, p: Hashable, w: float) -> None:
+        row = dic.setdefault(n, {})
+        row[p] = row.get(p, 0.0) + w
+
+    for nmt, plm in pairs:
+        n, p = list(nmt), list(plm)
+        i, j, a, b = 0, len(n), 0, len(p)  # the windows n[i:j], p[a:b] still to match
+        while i < j and a < b:
+            if same(n[i], p[a]):  # lines 6-8
+                add(n[i], p[a], 1.0)
+                i, a = i + 1, a + 1
+            elif same(n[j - 1], p[b - 1]):  # lines 9-11
+                add(n[j - 1], p[b - 1], 1.0)
+                j, b = j - 1, b - 1
+            else:
+                break
+        if i == j or a == b:  # lines 16-18
+            continue
+        w = (b - a) / (j - i)  # line 19
+        for x in n[i:j]:  # lines 20-24
+            for y in p[a:b]:
+                add(x, y, w)
+    return dic
+
+
+def fwet_softmax(dic: dict[Hashable, dict[Hashable, float]]) -> dict[Hashable, dict[Hashable, float]]:
+    """Line 27's weights: for each NMT token, a softmax over the counts of the PLM tokens it co-occurred with."""
+    out = {}
+    for n, row in dic.items():
+        keys = list(row)
+        w = torch.softmax(torch.tensor([row[k] for k in keys], dtype=torch.float64), dim=0).tolist()
+        out[n] = dict(zip(keys, w))
+    return out
+
+
+def fwet_matrix(weights: dict[int, dict[int, float]], plm_embeddings: Tensor, init: Tensor) -> Tensor:
+    """Line 27: ``E^N(k) = Σ_p softmax(dic^N(k))_p · E^P(p)`` for every NMT id ``k`` in ``weights``; the
+    other rows of ``init`` (V, H) are kept. plm_embeddings: (V_P, H). Returns (V, H) float32."""
+    out = init.detach().clone().float()
+    emb = plm_embeddings.detach().float()
+    for k, row in weights.items():
+        ids = torch.tensor(list(row), dtype=torch.long)
+        w = torch.tensor(list(row.values()), dtype=torch.float32)
+        out[k] = w @ emb[ids]  # (H,)
+    return out
+
+
+def wordpiece_spelling(piece: str, normalize: Callable[[str], str] = lambda s: s) -> str:
+    """A SentencePiece piece spelled as a WordPiece: ``▁Hund`` → ``normalize("Hund")``, ``e`` → ``##e``;
+    a bare ``▁`` stays ``▁`` (no WordPiece is spelled so)."""
+    if piece.startswith("\u2581"):
+        return normalize(piece[1:]) if len(piece) > 1 else piece
+    return "##" + normalize(piece)
+
+
+def fwet_from_corpus(vocab: "SubwordVocab", resolved: ResolvedBert, lines: Sequence[str],
+                     init_std: float = 0.02, seed: int = 0) -> tuple[Tensor, int]:
+    """FWET of ``vocab`` from the WordPiece embeddings of ``resolved`` over raw target ``lines``.
+
+    Returns the (V, H) table and how many NMT subwords it covers (the rest keep a N(0, init_std) init).
+    """
+    tokenizer = resolved.load_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    normalizer = backend.normalizer
+    normalize = normalizer.normalize_str if normalizer is not None else (lambda s: s)
+    pieces = [vocab.sp.id_to_piece(i) for i in range(len(vocab))]
+    spelling = [wordpiece_spelling(p, normalize) for p in pieces]
+
+    def pairs() -> Iterable[tuple[list[int], list[tuple[int, str]]]]:
+        nmt = vocab.encode_many(lines)
+        for ids, enc in zip(nmt, backend.encode_batch(list(lines), add_special_tokens=False)):
+            yield ids.tolist(), list(zip(enc.ids, enc.tokens))
+
+    dic = fwet_counts(pairs(), same=lambda n, p: spelling[n] == p[1])
+    weights: dict[int, dict[int, float]] = {n: {p[0]: w for p, w in row.items()}
+                                           for n, row in fwet_softmax(dic).items()}
+    specials = {vocab.pad_id: tokenizer.pad_token_id, vocab.bos_id: tokenizer.cls_token_id,
+                vocab.eos_id: tokenizer.sep_token_id, vocab.sp.unk_id(): tokenizer.unk_token_id}
+    for n, p in specials.items():
+        if p is not None:
+            weights[n] = {p: 1.0}
+    plm = resolved.load_model().get_input_embeddings().weight  # (V_P, H)
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(len(vocab), plm.size(1), generator=gen) * init_std
+    return fwet_matrix(weights, plm, init), len(weights)
+
+
+def build_fwet(vocab: "SubwordVocab", tgt_bert: BertConfig, lines: Sequence[str],
+               cache_dir: str | os.PathLike | None = None) -> Path:
+    """The FWET table of ``vocab`` for ``tgt_bert`` over ``lines``, computed once and cached under
+    ``cache_dir/fwet/<key>.pt`` (key: vocabulary checksum, BERT location and weight files, corpus)."""
+    resolved = resolve_bert(BertSpec.from_config(tgt_bert), cache_dir=tgt_bert.cache_dir or None,
+                            pretrain_corpus=tgt_bert.pretrain_corpus, pretrain_steps=tgt_bert.pretrain_steps)
+    h = hashlib.sha256()
+    h.update(json.dumps({"vocab": vocab.checksum, "bert": str(resolved.path), "algo": "fwet-v1"}).encode())
+    for f in sorted(resolved.path.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for line in lines:
+        h.update(line.encode("utf-8") + b"\n")
+    root = Path(cache_dir).expanduser().resolve() if cache_dir else default_cache_dir()
+    path = root / "fwet" / f"{h.hexdigest()[:24]}.pt"
+    if path.is_file():
+        return path
+    table, covered = fwet_from_corpus(vocab, resolved, lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fwet-", suffix=".pt", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        torch.save({"embeddings": table, "covered": covered, "bert": str(resolved.spec), "vocab": vocab.checksum}, f)
+    os.replace(tmp, path)  # atomic: concurrent trials never read half a file
+    return path
+
+
+def prepare_fwet(cfg: ExperimentConfig, data: "PreparedData") -> ExperimentConfig:
+    """``cfg`` with ``model.fwet`` pointing at the FWET table of the training split's target side
+    (cached; a no-op when ``model.fwet`` is already set). Call before building the model."""
+    if not isinstance(cfg.model, PlmSponsoredConfig) or cfg.model.fwet:
+        return cfg
+    path = build_fwet(data.vocab, cfg.model.tgt_bert, data.train.raw_tgt, cfg.data.resolved_cache_dir())
+    return cfg.with_overrides({"model.fwet": str(path)})
+
+
+# ---------------------------------------------------------------------- the target BERT, causal
+class CausalBertLayer(nn.Module):
+    """One BERT layer (post-norm self-attention + GELU FFN) with a causal mask and an incremental cache."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, dropout: float, attention_dropout: float,
+                 eps: float) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(hidden, heads, attention_dropout)
+        self.self_res = Residual(hidden, dropout, pre_norm=False)
+        self.ffn = FeedForward(hidden, intermediate, "gelu", 0.0)
+        self.ffn_res = Residual(hidden, dropout, pre_norm=False)
+        self.self_res.norm.eps = self.ffn_res.norm.eps = eps
+
+    @torch.no_grad()
+    def load_hf(self, layer: nn.Module) -> None:
+        """Copy a ``transformers`` BertLayer's weights (q, k, v fused into one projection)."""
+        att = layer.attention
+        self.self_attn.qkv.weight.copy_(torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]))
+        self.self_attn.qkv.bias.copy_(torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias]))
+        self.self_attn.out.load_state_dict(att.output.dense.state_dict())
+        self.self_res.norm.load_state_dict(att.output.LayerNorm.state_dict())
+        self.ffn.fc1.load_state_dict(layer.intermediate.dense.state_dict())
+        self.ffn.fc2.load_state_dict(layer.output.dense.state_dict())
+        self.ffn_res.norm.load_state_dict(layer.output.LayerNorm.state_dict())
+
+    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
+        # Right-padded targets need no key padding mask under the causal mask (as the baseline decoder).
+        x = self.self_res.after(x, self.self_attn(x, causal=True, cache=cache))
+        return self.ffn_res.after(x, self.ffn(x))
+
+
+class TargetBertDecoder(nn.Module):
+    """The target BERT run causally over NMT target subwords (Section 2.2's decoder): BERT's embedding
+    layer with the NMT word table (FWET or random), then its layers, initialised from its weights."""
+
+    def __init__(self, resolved: ResolvedBert, vocab_size: int, pad_id: int, freeze: bool,
+                 fwet: str = "") -> None:
+        super().__init__()
+        config = resolved.hf_config()
+        if config.hidden_act != "gelu":
+            raise BertError(f"target BERT {resolved.spec}: hidden_act {config.hidden_act!r} is not supported (gelu)")
+        hf = resolved.load_model()
+        h = config.hidden_size
+        self.hidden_size = h
+        self.dropout = config.hidden_dropout_prob
+        self.word = nn.Embedding(vocab_size, h, padding_idx=pad_id)
+        nn.init.normal_(self.word.weight, std=config.initializer_range)
+        if fwet:
+            if not Path(fwet).is_file():
+                raise ConfigError(f"model.fwet: {fwet} does not exist; build it with "
+                                  "nmtcore.models.plm_sponsored.prepare_fwet (or set model.fwet='')")
+            table = torch.load(fwet, map_location="cpu", weights_only=True)["embeddings"]
+            if tuple(table.shape) != (vocab_size, h):
+                raise ConfigError(f"model.fwet: {fwet} holds a {tuple(table.shape)} table, the model needs "
+                                  f"({vocab_size}, {h}) (vocabulary × target BERT width); rebuild it (build_fwet)")
+            with torch.no_grad():
+                self.word.weight.copy_(table)
+        emb = hf.embeddings
+        self.positions = nn.Embedding.from_pretrained(emb.position_embeddings.weight.detach().clone(), freeze=False)
+        self.token_type = nn.Parameter(emb.token_type_embeddings.weight[0].detach().clone())  # segment 0
+        self.norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.norm.load_state_dict(emb.LayerNorm.state_dict())
+        self.layers = nn.ModuleList(
+            CausalBertLayer(h, config.num_attention_heads, config.intermediate_size, config.hidden_dropout_prob,
+                            config.attention_probs_dropout_prob, config.layer_norm_eps)
+            for _ in range(config.num_hidden_layers))
+        for mine, theirs in zip(self.layers, hf.encoder.layer):
+            mine.load_hf(theirs)
+        if freeze:
+            for m in (self.positions, self.norm, self.layers):
+                m.requires_grad_(False)
+            self.token_type.requires_grad_(False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.positions.num_embeddings
+
+    def forward(self, tokens: Tensor, state: DecoderState | None = None, offset: int = 0) -> Tensor:
+        """tokens (B, T) at positions ``offset``…; incremental with ``state`` (layer i uses
+        ``state.layers[i]``). Returns r_T (B, T, H)."""
+        t = tokens.size(1)
+        # Positions past the BERT's table (a platform-made BERT has 128) reuse its last one: long
+        # training targets and beam search's max length never crash, they only lose position resolution.
+        pos = torch.arange(offset, offset + t, device=tokens.device).clamp(max=self.max_positions - 1)
+        x = self.word(tokens) + self.positions(pos) + self.token_type  # (B, T, H)
+        x = F.dropout(self.norm(x), self.dropout, self.training)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache=state.layers[i] if state is not None else None)
+        return x
+
+
+# ---------------------------------------------------------------------- the frozen KD teacher
+class FrozenTeacher(nn.Module):
+    """A frozen copy of the source BERT as built (Section 2.3: "BERT to generate r_plm is frozen as the
+    teacher"); always in eval mode, never trained, not used for decoding."""
+
+    def __init__(self, hf_bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = copy.deepcopy(hf_bert)
+        self.bert.requires_grad_(False)
+        self.bert.eval()
+
+    def train(self, mode: bool = True) -> "FrozenTeacher":
+        super().train(mode)
+        self.bert.eval()
+        return self
+
+    @torch.no_grad()
+    def forward(self, ids: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
+        """ids/mask/segments (B, Tb), mask True = padding → r_plm, the last layer (B, Tb, H)."""
+        out = self.bert(input_ids=ids, attention_mask=(~mask).long(), token_type_ids=segments, return_dict=True)
+        return out.last_hidden_state
+
+
+# ---------------------------------------------------------------------- encoder fusion (Eq. 6)
+class HalfLayerGate(nn.Module):
+    """Eq. 6: ``g = σ([h_M ; h_{M/2}] W)``, ``h_S = g·h_M + (1 − g)·h_{M/2}``, ``r_S = LN(FFN(h_S) + h_S)``."""
+
+    def __init__(self, hidden: int, ffn_dim: int, activation: str, dropout: float, activation_dropout: float) -> None:
+        super().__init__()
+        self.gate = nn.Linear(2 * hidden, hidden, bias=False)  # W ∈ R^{2d×d}
+        self.ffn = FeedForward(hidden, ffn_dim, activation, activation_dropout)
+        self.ffn_res = Residual(hidden, dropout, pre_norm=False)
+
+    def forward(self, top: Tensor, half: Tensor) -> Tensor:
+        g = torch.sigmoid(self.gate(torch.cat([top, half], dim=-1)))  # (B, S, H)
+        h = g * top + (1.0 - g) * half
+        return self.ffn_res.after(h, self.ffn(h))
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense + GELU + LN, then the word embeddings (tied) plus a bias."""
+
+    def __init__(self, word_embeddings: nn.Embedding, eps: float) -> None:
+        super().__init__()
+        h = word_embeddings.embedding_dim
+        self.dense = nn.Linear(h, h)
+        self.norm = nn.LayerNorm(h, eps=eps)
+        self.word_embeddings = [word_embeddings]  # a list: no second registration of the tied weight
+        self.bias = nn.Parameter(torch.zeros(word_embeddings.num_embeddings))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.norm(F.gelu(self.dense(x))), self.word_embeddings[0].weight, self.bias)
+
+
+def mlm_corrupt(ids: Tensor, special: Tensor, prob: float, mask_id: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """BERT's masking: select ``prob`` of the non-special positions; of those 80% → [MASK], 10% → a random
+    WordPiece, 10% kept. ids/special (B, Tb). Returns (corrupted ids, selected (B, Tb) bool)."""
+    r = torch.rand(ids.shape, device=ids.device)
+    selected = (r < prob) & ~special
+    how = torch.rand(ids.shape, device=ids.device)
+    out = ids.masked_fill(selected & (how < 0.8), mask_id)
+    rand_ids = torch.randint(0, vocab_size, ids.shape, device=ids.device)
+    swap = selected & (how >= 0.8) & (how < 0.9)
+    return torch.where(swap, rand_ids, out), selected
+
+
+# ---------------------------------------------------------------------- the coordinator (Eq. 2-3)
+class CoordinatorAttention(nn.Module):
+    """``Attention(r_{j−1}, r_all, r_all)`` with ``r_all = [r_S ; r_T ; r_{j−1}]`` (Eq. 2) under the mask
+    of Eq. 3. One key/value projection serves all three parts. With caches (two per layer), r_S's
+    keys/values are projected once (``static["src"]``), r_T's and r_{j−1}'s grow per step."""
+
+    def __init__(self, d_model: int, heads: int, attention_dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_dropout = attention_dropout
+        self.q = nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        nn.init.xavier_uniform_(self.q.weight, gain=2**-0.5)
+        nn.init.xavier_uniform_(self.kv.weight, gain=2**-0.5)
+        nn.init.xavier_uniform_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv(x).chunk(2, dim=-1)  # 2 × (B, T, C)
+        return split_heads(k, self.heads), split_heads(v, self.heads)
+
+    @staticmethod
+    def grow(cache: LayerCache | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if cache is None:
+            return k, v
+        if cache.self_k is not None:
+            k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)  # (B, H, t+1, Dh)
+        cache.self_k, cache.self_v = k, v
+        return k, v
+
+    def forward(self, x: Tensor, r_src: Tensor, src_mask: Tensor, r_tgt: Tensor,
+                caches: tuple[LayerCache, LayerCache] | None = None) -> Tensor:
+        """x = r_{j−1} (B, T, C), r_src = r_S (B, S, C), src_mask (B, S) True = padding, r_tgt = r_T (B, T, C)
+        at the same (new) positions as x. Returns (B, T, C)."""
+        q = split_heads(self.q(x), self.heads)  # (B, H, T, Dh)
+        c_t, c_h = caches if caches is not None else (None, None)
+        if c_t is not None:
+            if "src" not in c_t.static:
+                c_t.static["src"] = self.project(r_src)
+            k_s, v_s = c_t.static["src"]
+        else:
+            k_s, v_s = self.project(r_src)  # (B, H, S, Dh)
+        k_t, v_t = self.grow(c_t, *self.project(r_tgt))  # (B, H, t, Dh)
+        k_h, v_h = self.grow(c_h, *self.project(x))
+        b, t_q, t_k = x.size(0), q.size(2), k_t.size(2)
+        # Eq. 3: M = [M_S | M_T | M_h]; M_S lets every (non-pad) source position through, M_T and M_h hide
+        # the future (strictly upper triangular: position t sees targets ≤ t).
+        allowed_s = (~src_mask)[:, None, None, :].expand(b, 1, t_q, -1)  # (B, 1, T, S)
+        causal = torch.ones(t_q, t_k, dtype=torch.bool, device=x.device).tril(t_k - t_q)  # (T, t)
+        causal = causal[None, None].expand(b, 1, t_q, t_k)
+        mask = torch.cat([allowed_s, causal, causal], dim=-1)  # (B, 1, T, S + 2t)
+        keys = torch.cat([k_s, k_t, k_h], dim=2)  # r_all
+        values = torch.cat([v_s, v_t, v_h], dim=2)
+        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)
+        return self.out(merge_heads(y))  # (B, T, C)
+
+
+class CoordinatorLayer(nn.Module):
+    """Eq. 2: ``h_j = Attention(r_{j−1}, r_all, r_all) + r_{j−1}``, ``r_j = LN(FFN(h_j) + h_j)``."""
+
+    def __init__(self, cfg: PlmSponsoredConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.attn = CoordinatorAttention(d, cfg.heads, cfg.attention_dropout)
+        self.dropout = cfg.dropout
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.ffn_res = Residual(d, cfg.dropout, pre_norm=False)
+
+    def forward(self, x: Tensor, r_src: Tensor, src_mask: Tensor, r_tgt: Tensor,
+                caches: tuple[LayerCache, LayerCache] | None = None) -> Tensor:
+        h = x + F.dropout(self.attn(x, r_src, src_mask, r_tgt, caches), self.dropout, self.training)  # h_j
+        return self.ffn_res.after(h, self.ffn(h))  # r_j
+
+
+# ---------------------------------------------------------------------- the model
+class PlmSponsored(NMTModel):
+    """Source BERT encoder (+ Eq. 6), causal target-BERT decoder, coordinator (Eq. 2-3); see the module
+    docstring for the losses it returns as extras."""
+
+    def __init__(self, cfg: PlmSponsoredConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        d = cfg.d_model
+        # Encoder: the source BERT; the states Eq. 6 reads (h_{M/2} at least layer 1, h_M).
+        resolved_src = resolve_bert(BertSpec.from_config(cfg.bert), cache_dir=cfg.bert.cache_dir or None,
+                                    pretrain_corpus=cfg.bert.pretrain_corpus, pretrain_steps=cfg.bert.pretrain_steps)
+        m = resolved_src.hf_config().num_hidden_layers
+        self.half_layer, self.top_layer = max(1, m // 2), m
+        self.bert = BertLayer(cfg.bert, layers=(self.half_layer, self.top_layer), resolved=resolved_src)
+        h_src = self.bert.hidden_size
+        eps = resolved_src.hf_config().layer_norm_eps
+        self.encoder_gate = (HalfLayerGate(h_src, cfg.ffn_dim, cfg.activation, cfg.dropout, cfg.activation_dropout)
+                             if cfg.encoder_gate else None)
+        if self.encoder_gate is not None:
+            self.encoder_gate.ffn_res.norm.eps = eps
+        self.src_proj = nn.Linear(h_src, d) if h_src != d else nn.Identity()
+        self.teacher = FrozenTeacher(self.bert.bert) if cfg.kd_teacher else None
+        self.mlm_head = MLMHead(self.bert.bert.get_input_embeddings(), eps) if cfg.mlm_loss else None
+        tok = self.bert.resolved.load_tokenizer() if cfg.mlm_loss else None
+        self.mask_token_id = int(tok.mask_token_id) if tok is not None else -1
+        # Decoder: the target BERT, causal, over NMT subwords.
+        tb = cfg.tgt_bert
+        resolved_tgt = resolve_bert(BertSpec.from_config(tb), cache_dir=tb.cache_dir or None,
+                                    pretrain_corpus=tb.pretrain_corpus, pretrain_steps=tb.pretrain_steps)
+        self.decoder = TargetBertDecoder(resolved_tgt, vocab_size, pad_id, tb.freeze, cfg.fwet)
+        h_tgt = self.decoder.hidden_size
+        self.tgt_proj = nn.Linear(h_tgt, d) if h_tgt != d else nn.Identity()
+        # Coordinator.
+        self.positions = SinusoidalPositions(cfg.max_positions, d)
+        self.coordinator = nn.ModuleList(CoordinatorLayer(cfg) for _ in range(cfg.decoder_layers))
+        if cfg.share_embeddings:
+            self.out_proj = nn.Linear(d, h_tgt, bias=False) if h_tgt != d else nn.Identity()
+            self.out_embed = None
+        else:
+            self.out_proj = nn.Identity()
+            self.out_embed = nn.Parameter(torch.randn(vocab_size, d) * d**-0.5)
+
+    @classmethod
+    def prepare(cls, cfg: ExperimentConfig, data: "PreparedData") -> ExperimentConfig:
+        """Before the model is built (:func:`nmtcore.models.prepare_model_resources`): the target BERT
+        resolved, or pretrained here when nothing answers (as ``ensure_bert`` does for the source BERT),
+        then the FWET table of the training split's target side (:func:`prepare_fwet`). Cached."""
+        from dataclasses import replace
+
+        from nmtcore.bert import ensure_bert
+
+        tb = cfg.model.tgt_bert
+        if tb.layers > 0 and not tb.pretrain_corpus:  # a size made here learns the *target* side
+            tb = replace(tb, pretrain_corpus=f"{cfg.data.corpus}:{cfg.data.tgt_lang}")
+        as_source = replace(cfg, model=replace(cfg.model, bert=tb))
+        tgt = ensure_bert(as_source).model.bert  # cache_dir / pretrain corpus defaulted as for model.bert
+        return prepare_fwet(replace(cfg, model=replace(cfg.model, tgt_bert=tgt)), data)
+
+    # ------------------------------------------------------------------ groups (phases are data)
+    @property
+    def own_kd_teacher(self) -> bool:
+        """Whether the frozen KD teacher was built (read by :func:`nmtcore.losses.check_kd`)."""
+        return self.teacher is not None
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """``bert`` (source BERT), ``tgt_bert`` (the target BERT's layers and embeddings but the NMT word
+        table), ``kd_teacher`` (frozen), ``nmt`` (everything else)."""
+        bert = list(self.bert.parameters())
+        tgt = [p for n, p in self.decoder.named_parameters() if not n.startswith("word.")]
+        teacher = list(self.teacher.parameters()) if self.teacher is not None else []
+        taken = {id(p) for p in bert + tgt + teacher}
+        return {"bert": bert, "tgt_bert": tgt, "kd_teacher": teacher,
+                "nmt": [p for p in self.parameters() if id(p) not in taken]}
+
+    # ------------------------------------------------------------------ pieces
+    def fuse_source(self, top: Tensor, half: Tensor) -> Tensor:
+        """r_S (B, S, H_src): Eq. 6, or h_M without the gate."""
+        return self.encoder_gate(top, half) if self.encoder_gate is not None else top
+
+    def output_logits(self, h: Tensor) -> Tensor:
+        """Coordinator states (..., d) → logits (..., V)."""
+        if self.out_embed is not None:
+            return F.linear(h, self.out_embed)
+        return F.linear(self.out_proj(h), self.decoder.word.weight)
+
+    def run_coordinator(self, r_tgt: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        """r_T (B, T, H_tgt) of new positions → r_N (B, T, d). Caches: after the target BERT's layers,
+        two per coordinator layer."""
+        offset = state.step if state is not None else 0
+        r_t = self.tgt_proj(r_tgt)  # (B, T, d)
+        x = F.dropout(r_t + self.positions(r_t.size(1), offset), self.cfg.dropout, self.training)  # r_0
+        base = len(self.decoder.layers)
+        for j, layer in enumerate(self.coordinator):
+            caches = (state.layers[base + 2 * j], state.layers[base + 2 * j + 1]) if state is not None else None
+            x = layer(x, enc_out.out, enc_out.mask, r_t, caches)
+        return x
+
+    def encoder_states(self, batch: "Batch") -> tuple[Tensor, Tensor, Tensor]:
+        """(h_{M/2}, h_M, mask) of the source BERT over the batch's WordPiece stream."""
+        out = self.bert(batch)
+        return out.layer(self.half_layer), out.layer(self.top_layer), out.mask
+
+    # ------------------------------------------------------------------ interface
+    def encode(self, batch: "Batch") -> EncoderOut:
+        half, top, mask = self.encoder_states(batch)
+        return EncoderOut(out=self.src_proj(self.fuse_source(top, half)), mask=mask)
+
+    def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        return DecoderState.empty(len(self.decoder.layers) + 2 * len(self.coordinator))
+
+    def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        r_t = self.decoder(prev_tokens, state, offset=state.step)  # (B, 1, H_tgt)
+        h = self.run_coordinator(r_t, enc_out, state)
+        state.step += prev_tokens.size(1)
+        return self.output_logits(h[:, -1])  # (B, V)
+
+    def forward(self, batch: "Batch") -> ModelOutput:
+        half, top, mask = self.encoder_states(batch)
+        enc_out = EncoderOut(out=self.src_proj(self.fuse_source(top, half)), mask=mask)
+        r_t = self.decoder(batch.tgt_in)  # (B, T, H_tgt)
+        h = self.run_coordinator(r_t, enc_out)  # (B, T, d)
+        extras: dict[str, Tensor] = {"enc_out": enc_out.out, "dec_hidden": h}
+        if self.training:  # the extra losses shape training only; validation loss stays L_NMT
+            extras.update(self.training_extras(batch, half, top, mask, r_t))
+        return ModelOutput(logits=self.output_logits(h), extras=extras)
+
+    def training_extras(self, batch: "Batch", half: Tensor, top: Tensor, mask: Tensor,
+                        r_t: Tensor) -> dict[str, Tensor]:
+        """KD states (Eq. 4), ``mlm_loss`` and ``tgt_lm_loss`` (Eq. 8) for :func:`nmtcore.losses.training_loss`."""
+        cfg = self.cfg
+        x = batch.extras
+        out: dict[str, Tensor] = {}
+        if self.teacher is not None:
+            out["kd_hidden"] = half if cfg.kd_layer == "half" else top  # h_{M/2} (Eq. 4) or h_M (L_fkd)
+            out["kd_target"] = self.teacher(x["bert_ids"], mask, x["bert_segments"]).detach()  # r_plm
+            out["kd_mask"] = mask
+        if self.mlm_head is not None:
+            ids = x["bert_ids"]
+            enc = self.bert.encoder
+            special = mask | ids.eq(enc.cls_id) | ids.eq(enc.sep_id)
+            corrupted, selected = mlm_corrupt(ids, special, cfg.mlm_prob, self.mask_token_id,
+                                              self.mlm_head.bias.numel())
+            states = self.bert.run(corrupted, mask, x["bert_segments"])[-1]  # separate pass, h_M (B, Tb, H)
+            logits = self.mlm_head(states[selected])  # (N, V_bert)
+            out["mlm_loss"] = _mean_nll(logits, ids[selected], states)
+        if cfg.tgt_lm_loss:
+            keep = batch.tgt_out.ne(self.pad_id) & (torch.rand(batch.tgt_out.shape, device=r_t.device)
+                                                   < cfg.tgt_lm_fraction)  # (B, T)
+            logits = F.linear(r_t[keep], self.decoder.word.weight)  # Eq. 8: p(t_j | t_<j), no source
+            out["tgt_lm_loss"] = _mean_nll(logits, batch.tgt_out[keep], r_t)
+        return out
+
+
+def _mean_nll(logits: Tensor, target: Tensor, anchor: Tensor) -> Tensor:
+    """Mean cross-entropy in fp32; 0 (still in the graph through ``anchor``) when nothing is selected."""
+    if target.numel() == 0:
+        return anchor.float().sum() * 0.0
+    return F.cross_entropy(logits.float(), target)
+
+
+__all__ = ["PlmSponsoredConfig", "PlmSponsored", "fwet_counts", "fwet_softmax", "fwet_matrix", "fwet_from_corpus",
+           "build_fwet", "prepare_fwet", "wordpiece_spelling", "mlm_corrupt", "DEFAULT_TGT_BERT"]
