@@ -12,7 +12,8 @@ Every model in the zoo consumes BERT through this module, in the order the data 
    ``HF_HUB_OFFLINE`` unset) and answers a 3-second probe, so offline runs never hang. When nothing
    resolves, :class:`BertNotFoundError` says, on one line, what was tried and what would work.
 2. **The token stream** (:class:`WordPieceEncoder`): the raw source line in the BERT's own WordPiece,
-   ``[CLS] … [SEP]`` (or ``[CLS] context [SEP] sentence [SEP]`` with segment ids 0/1), truncated to the
+   ``[CLS] … [SEP]`` (or ``[CLS] context [SEP] sentence [SEP]`` with segment ids 0/1: the previous sentence
+   of the same document, or what the owning model's ``BertLayer.context_source`` supplies), truncated to the
    BERT's positions keeping the final ``[SEP]``, right-padded by :func:`nmtcore.data.collate_bert` (left
    padding shifts BERT's absolute positions, a bug of the original BERT-fused code). NMT subwords and
    WordPieces both split the same whitespace words, which gives each NMT source position the span of
@@ -42,7 +43,7 @@ import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -568,6 +569,9 @@ class BertLayer(nn.Module):
         self.encoder = WordPieceEncoder(self.resolved.load_tokenizer(), self.max_length)
         if cfg.freeze:
             self.bert.requires_grad_(False)
+        # What the owning model puts before [SEP] (document-level models, e.g. nmtcore.models.doc_context):
+        # (split, data or None) → one context line (or None) per sentence; None = model.bert.context decides.
+        self.context_source: Callable[[EncodedSplit, PreparedData | None], Sequence[str | None]] | None = None
         self._features_key: str | None = None  # weights fingerprint the attached features were computed from
         self._prepared: weakref.ref | None = None  # the PreparedData prepare_bert_inputs last served
         self._weights_changed = False
@@ -614,11 +618,19 @@ class BertLayer(nn.Module):
             module._weights_changed = module.fingerprint() != module._features_key
 
     # ------------------------------------------------------------------ inputs
-    def encode_split(self, split: EncodedSplit, word_start: np.ndarray) -> BertInputs:
-        """The BERT stream of ``split``'s raw source lines, aligned to its NMT subwords."""
+    def encode_split(self, split: EncodedSplit, word_start: np.ndarray,
+                     data: PreparedData | None = None) -> BertInputs:
+        """The BERT stream of ``split``'s raw source lines, aligned to its NMT subwords. The context segment
+        comes from :attr:`context_source` when the model set one (``data``: the run's data, for sources that
+        need the training split), else from ``model.bert.context``."""
         contexts = None
-        if self.cfg.context == "previous":
-            # The previous line of the split (corpora here carry no document boundaries).
+        if self.context_source is not None:
+            contexts = list(self.context_source(split, data))
+        elif self.cfg.context == "previous" and split.docs is not None:
+            # The previous sentence of the same document: never across a <d> boundary.
+            contexts = [" ".join(prev) or None for prev in split.docs.previous(1)]
+        elif self.cfg.context == "previous":
+            # The previous line of the split (a sentence-level corpus carries no document boundaries).
             contexts = [None] + list(split.raw_src[:-1])
         words = [nmt_word_index(s, word_start) for s in split.src]
         return self.encoder.encode(split.raw_src, words, contexts)
@@ -723,7 +735,7 @@ def prepare_bert_inputs(model: nn.Module, data: PreparedData, use_cache: bool | 
     t0 = time.perf_counter()
     ws = word_start_table(data.vocab)
     for split in data.splits.values():
-        split.bert = bl.encode_split(split, ws)
+        split.bert = bl.encode_split(split, ws, data)
     log.info("BERT stream of %d splits built in %.1f s (max_length %d)", len(data.splits),
              time.perf_counter() - t0, bl.max_length)
     if (bl.cache_wanted if use_cache is None else use_cache and bl.cache_wanted):

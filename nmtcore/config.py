@@ -103,6 +103,8 @@ class BertConfig:
     max_length: int = 0  # 0 = the BERT's max positions
     # BERT input: "none" = [CLS] sentence [SEP]; "previous" = [CLS] previous line [SEP] sentence [SEP] with
     # segment ids 0/1 (document-level context, Eq. 2 of the context-encoder paper).
+    # On a document corpus (<d> markers) "previous" is the previous sentence of the same document (empty at a
+    # document start). The doc_context model builds its own context (model.context_type) and needs "none" here.
     context: str = "none"
     # Student state distilled from this BERT when train.kd_alpha < 1: the top encoder layer (CTNMT) or
     # layer M/2 (PLM-sponsored NMT, Eq. 4).

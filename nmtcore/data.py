@@ -6,7 +6,9 @@ The stages, in the order data moves through them:
    directory, in the download cache, or (Multi30k only) downloaded and SHA-256-verified into the cache.
 2. **Read** them (:func:`load_split`): UTF-8, plain or gzip; each line is whitespace-normalised (runs of
    any whitespace, tabs and CRs included, become one space; leading/trailing whitespace is removed), the
-   form on which :class:`~nmtcore.tokenization.SubwordVocab` round-trips exactly.
+   form on which :class:`~nmtcore.tokenization.SubwordVocab` round-trips exactly. A document corpus
+   (``Corpus.documents``) drops its ``<d>`` marker lines and numbers the documents; each split then
+   carries a :class:`DocumentIndex` (the preceding sentences of each sentence in its own document).
 3. **Learn** the joint subword vocabulary on the training split of both languages, **encode** every
    split, and **filter** the training pairs by length, Moses ``clean-corpus-n.perl`` style
    (:func:`prepare_data`).
@@ -60,7 +62,10 @@ class Corpus:
     ``url``: base URL to download ``{split}.{lang}.gz`` from ("" = never downloaded), overridable by
     the environment variable ``url_env``. ``sha256``: expected digest per file name; downloads and
     files found on disk must match it. ``missing_hint``: how to fix a missing file (``{split}`` is
-    filled in).
+    filled in). ``file_template``: the file name of one side when it is not ``{split}.{lang}``
+    (``{split}`` and ``{lang}`` are filled in; ``.gz`` is tried as well). ``documents``: the files are
+    document-level: a line holding only :data:`DOC_MARKER` starts each document (:func:`load_split`
+    drops the marker lines and numbers the documents).
     """
 
     name: str
@@ -73,10 +78,13 @@ class Corpus:
     url_env: str = ""
     sha256: Mapping[str, str] = field(default_factory=dict)
     missing_hint: str = ""
+    file_template: str = ""
+    documents: bool = False
 
     def file_names(self, split: str, lang: str) -> list[str]:
         """Candidate file names of one side of a split, in lookup order."""
-        return [f"{split}.{lang}.gz"] if self.gzip_only else [f"{split}.{lang}", f"{split}.{lang}.gz"]
+        base = self.file_template.format(split=split, lang=lang) if self.file_template else f"{split}.{lang}"
+        return [f"{base}.gz"] if self.gzip_only else [base, f"{base}.gz"]
 
     def base_url(self) -> str:
         """Download base URL: ``$url_env`` if set (tests serve files locally), else ``url``."""
@@ -135,6 +143,28 @@ CORPORA: dict[str, Corpus] = {
         "(train/valid/test.{de,en}) with --data-dir or NMTCORE_DATA",
     ),
 }
+
+
+# Document-level corpora (a line "<d>" starts each document). Maruf et al. (2019)'s En-De sets, as the BERT
+# context-encoder paper (seed 003) uses them; their files are concatenated_en2de_{split}_{lang}.txt[.gz].
+DOC_MARKER = "<d>"
+_MARUF_FILES = "concatenated_en2de_{split}_{lang}.txt"
+_MARUF_HINT = ("pass --data-dir (or set NMTCORE_DATA) to a directory holding docnmt-en-de-maruf2019-devtest/{sub}/ "
+               "(the team copy ../shared/data has dev and test only); the train split is "
+               "concatenated_en2de_train_{{en,de}}.txt from github.com/sameenmaruf/selective-attn ({train})")
+for _name, _sub, _what, _train in (
+        ("maruf2019_ted", "IWSLT2017", "TED talks (IWSLT'17)", "data/IWSLT2017"),
+        ("maruf2019_news", "NC-2016", "News Commentary v11", "the Dropbox link of its readme"),
+        ("maruf2019_europarl", "Europarl7", "Europarl v7", "the Dropbox link of its readme")):
+    CORPORA[_name] = Corpus(
+        name=_name, description=f"{_what} En-De documents of Maruf et al. (2019), raw text, <d> document markers",
+        subdir=f"docnmt-en-de-maruf2019-devtest/{_sub}", languages=("en", "de"), splits=("train", "dev", "test"),
+        file_template=_MARUF_FILES, documents=True, missing_hint=_MARUF_HINT.format(sub=_sub, train=_train))
+CORPORA["docparallel"] = Corpus(
+    name="docparallel", description="any directory of document-level {split}.{lang} files: a line <d> starts "
+    "each document", documents=True,
+    missing_hint="put the {split}.<lang> files (plain or .gz, a line <d> before each document) there, or point "
+    "--data-dir / NMTCORE_DATA at the directory that has them")
 
 
 def get_corpus(name: str) -> Corpus:
@@ -259,6 +289,7 @@ class ParallelText:
     src_path: Path
     tgt_path: Path
     split: str = ""
+    doc_ids: np.ndarray | None = None  # (N,) int64 document of each pair (document corpora), else None
 
     def __len__(self) -> int:
         return len(self.src)
@@ -324,7 +355,38 @@ def load_split(cfg: DataConfig, split: str) -> ParallelText:
     if len(src) != len(tgt):
         raise DataError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}; "
                         "the two sides of a split must be line-aligned")
+    if corpus.documents:
+        src, tgt, doc_ids = split_documents(src, tgt, src_path, tgt_path)
+        return ParallelText(src=src, tgt=tgt, src_path=src_path, tgt_path=tgt_path, split=split, doc_ids=doc_ids)
+    if src[0] == DOC_MARKER and tgt[0] == DOC_MARKER:
+        log.warning("%s starts with a %s document marker but corpus %r is sentence-level: the markers are read "
+                    "as sentences (use a document corpus, e.g. data.corpus=docparallel)", src_path, DOC_MARKER,
+                    corpus.name)
     return ParallelText(src=src, tgt=tgt, src_path=src_path, tgt_path=tgt_path, split=split)
+
+
+def split_documents(src: list[str], tgt: list[str], src_path: Path,
+                    tgt_path: Path) -> tuple[list[str], list[str], np.ndarray]:
+    """Drop the :data:`DOC_MARKER` lines of a line-aligned document-level split and number its documents.
+
+    Returns (src sentences, tgt sentences, (N,) int64 document id of each pair). Documents are numbered
+    0, 1, ... in file order, one per marker (an empty document keeps its number); sentences before the
+    first marker form a document of their own. The markers must sit on the same lines of both sides, and
+    the split must hold at least one sentence; either failure is a one-line :class:`DataError`.
+    """
+    src_marks = np.fromiter((line == DOC_MARKER for line in src), dtype=bool, count=len(src))  # (L,)
+    tgt_marks = np.fromiter((line == DOC_MARKER for line in tgt), dtype=bool, count=len(tgt))  # (L,)
+    differ = np.flatnonzero(src_marks != tgt_marks)
+    if len(differ):
+        i = int(differ[0])
+        has, lacks = (src_path, tgt_path) if src_marks[i] else (tgt_path, src_path)
+        raise DataError(f"document markers differ: line {i + 1} is {DOC_MARKER} in {has} but not in {lacks}; "
+                        "both sides must start each document on the same line")
+    docs = np.cumsum(src_marks, dtype=np.int64) - (1 if src_marks[:1].any() else 0)  # (L,) doc of each line
+    keep = np.flatnonzero(~src_marks)
+    if len(keep) == 0:
+        raise DataError(f"{src_path} holds only {DOC_MARKER} document markers, no sentences")
+    return [src[i] for i in keep], [tgt[i] for i in keep], docs[keep]
 
 
 # ------------------------------------------------------------------------------------ encoding, filtering
@@ -377,9 +439,60 @@ class BertInputs:
 
 
 @dataclass
+class DocumentIndex:
+    """Where the sentences of a split sit in their documents (document corpora only).
+
+    ``lines``: every source sentence of the split in file order, markers removed, *before* any length
+    filter (so a filtered-out sentence still serves as its successor's context); ``line_docs`` (L,) int64:
+    the document of each line; ``rows`` (N,) int64: the line each sentence of the split is
+    (:meth:`select` re-indexes ``rows`` and shares ``lines``).
+    """
+
+    lines: list[str]
+    line_docs: np.ndarray
+    rows: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.line_docs) != len(self.lines):
+            raise ValueError(f"DocumentIndex: {len(self.line_docs)} document ids for {len(self.lines)} lines")
+        if len(self.rows) and (self.rows.min() < 0 or self.rows.max() >= len(self.lines)):
+            raise ValueError("DocumentIndex: rows out of range")
+
+    @classmethod
+    def from_doc_ids(cls, lines: Sequence[str], doc_ids: Sequence[int] | np.ndarray) -> "DocumentIndex":
+        """The index of a split read in file order: sentence i is line i, in document ``doc_ids[i]``."""
+        docs = np.asarray(doc_ids, dtype=np.int64)
+        return cls(list(lines), docs, np.arange(len(docs), dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        """(N,) int64 document of each sentence of the split."""
+        return self.line_docs[self.rows]
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> "DocumentIndex":
+        return DocumentIndex(self.lines, self.line_docs, self.rows[np.asarray(indices, dtype=np.int64)])
+
+    def previous(self, n: int) -> list[list[str]]:
+        """For each sentence, the up to ``n`` sentences before it in its own document, oldest first: never
+        across a document boundary (the first sentence of a document gets ``[]``)."""
+        if n < 0:
+            raise ValueError(f"need n >= 0 previous sentences, got {n}")
+        L = len(self.line_docs)
+        first = np.ones(L, dtype=bool)  # (L,) line opens a document
+        first[1:] = self.line_docs[1:] != self.line_docs[:-1]
+        doc_start = np.maximum.accumulate(np.where(first, np.arange(L), 0))  # (L,) first line of its document
+        starts = np.maximum(self.rows - n, doc_start[self.rows])  # (N,)
+        return [self.lines[a:r] for a, r in zip(starts.tolist(), self.rows.tolist())]
+
+
+@dataclass
 class EncodedSplit:
     """One split as subword ids (no bos/eos; int32 arrays) plus the raw lines they came from, and, for
-    BERT-consuming models, the BERT token stream of the source side (``bert``)."""
+    BERT-consuming models, the BERT token stream of the source side (``bert``). A split of a document
+    corpus also knows its documents (``docs``: each sentence's document and preceding sentences)."""
 
     name: str
     src: list[np.ndarray]
@@ -387,12 +500,15 @@ class EncodedSplit:
     raw_src: list[str]
     raw_tgt: list[str]
     bert: BertInputs | None = None
+    docs: DocumentIndex | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.src) == len(self.tgt) == len(self.raw_src) == len(self.raw_tgt)):
             raise ValueError(f"split {self.name!r}: src, tgt, raw_src and raw_tgt must have the same length")
         if self.bert is not None and len(self.bert) != len(self.src):
             raise ValueError(f"split {self.name!r}: {len(self.bert)} BERT inputs for {len(self.src)} sentences")
+        if self.docs is not None and len(self.docs) != len(self.src):
+            raise ValueError(f"split {self.name!r}: {len(self.docs)} document rows for {len(self.src)} sentences")
 
     def __len__(self) -> int:
         return len(self.src)
@@ -417,14 +533,17 @@ class EncodedSplit:
         idx = [int(i) for i in indices]
         return EncodedSplit(self.name, [self.src[i] for i in idx], [self.tgt[i] for i in idx],
                             [self.raw_src[i] for i in idx], [self.raw_tgt[i] for i in idx],
-                            self.bert.select(idx) if self.bert is not None else None)
+                            self.bert.select(idx) if self.bert is not None else None,
+                            self.docs.select(idx) if self.docs is not None else None)
 
 
 def encode_split(vocab: SubwordVocab, name: str, src: Sequence[str],
-                 tgt: Sequence[str] | None = None) -> EncodedSplit:
-    """Encode raw lines; ``tgt=None`` (translating new input) gives empty targets."""
+                 tgt: Sequence[str] | None = None, doc_ids: Sequence[int] | np.ndarray | None = None) -> EncodedSplit:
+    """Encode raw lines; ``tgt=None`` (translating new input) gives empty targets. ``doc_ids`` (the
+    document of each line, in file order) makes it a document-level split (``docs``)."""
     tgt_lines = list(tgt) if tgt is not None else [""] * len(src)
-    return EncodedSplit(name, vocab.encode_many(src), vocab.encode_many(tgt_lines), list(src), tgt_lines)
+    docs = DocumentIndex.from_doc_ids(src, doc_ids) if doc_ids is not None else None
+    return EncodedSplit(name, vocab.encode_many(src), vocab.encode_many(tgt_lines), list(src), tgt_lines, docs=docs)
 
 
 def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, min_len: int, max_len: int,
@@ -504,7 +623,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         raise DataError(str(e)) from None
     checksums["vocab"] = vocab.checksum
 
-    splits = {split: encode_split(vocab, split, pt.src, pt.tgt) for split, pt in texts.items()}
+    splits = {split: encode_split(vocab, split, pt.src, pt.tgt, doc_ids=pt.doc_ids) for split, pt in texts.items()}
     kept, dropped = length_filter(splits[cfg.train_split].src_lens, splits[cfg.train_split].tgt_lens,
                                   cfg.min_len, cfg.max_len, cfg.max_len_ratio)
     if len(kept) == 0:
