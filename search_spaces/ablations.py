@@ -24,26 +24,45 @@ SPACES = {
         },
         baseline="M0_full", citation="Zhang et al. 2020, BERT-JAM, Table 7 (M0-M3)",
         description="BERT-JAM ablation: GLU layer fusion, all BERT layers, three-phase optimisation"),
-    # Mask fusion M0–M3: masking (θ > 0) and the fusion gate, each on and off.
+    # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
+    # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
         STUDY, "mask_fusion", "mask_fusion",
         arms={
-            "M0_full": {"model.mask_threshold": 0.01, "model.fusion_gate": True},
-            "M1_no_mask": {"model.mask_threshold": 0.0, "model.fusion_gate": True},
-            "M2_no_gate": {"model.mask_threshold": 0.01, "model.fusion_gate": False},
-            "M3_no_mask_no_gate": {"model.mask_threshold": 0.0, "model.fusion_gate": False},
+            "M0_full": {"model.bert_layers": "all", "model.embedding_fusion": "mask",
+                        "model.adaptive_fusion": True},
+            "M1_last_layer": {"model.bert_layers": "last", "model.embedding_fusion": "mask",
+                              "model.adaptive_fusion": True},
+            "M2_no_mask_matrix": {"model.bert_layers": "all", "model.embedding_fusion": "gate",
+                                  "model.adaptive_fusion": True},
+            "M3_no_adaptive_fusion": {"model.bert_layers": "all", "model.embedding_fusion": "mask",
+                                      "model.adaptive_fusion": False},
         },
-        baseline="M0_full", description="mask-fusion ablation: masking threshold and fusion gate"),
-    # PLM-sponsored: which loss terms the PLM contributes.
+        baseline="M0_full", citation="two-stage interactive fusion (seed 004), Table 4 (M0-M3)",
+        description="mask-fusion ablation: multi-layer BERT fusion, mask knowledge matrix, adaptive fusion"),
+    # PLM-sponsored loss ablation (Table 3): L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T (Eq. 9). Every arm
+    # sets every switch (nmtcore.models.plm_sponsored), so a base config cannot leak one into another arm;
+    # train.kd_alpha is the weight of the NMT term (paper α = 0.9), 1 = no L_KD (and no teacher built).
     "plm_sponsored_loss": SearchSpace(
         STUDY, "plm_sponsored_loss", "plm_sponsored",
         arms={
-            "nmt_only": {"train.kd_alpha": 1.0},
-            "nmt_plus_kd": {"train.kd_alpha": 0.5},
-            "kd_only": {"train.kd_alpha": 0.0},
+            arm: {"train.kd_alpha": 0.9 if kd else 1.0, "model.kd_teacher": kd, "model.kd_layer": layer,
+                  "model.mlm_loss": mlm, "model.tgt_lm_loss": lt}
+            for arm, kd, layer, mlm, lt in (
+                ("full", True, "half", True, True),  # Our Model
+                ("no_mlm", True, "half", False, True),  # -L_MLM
+                ("no_lt", True, "half", True, False),  # -L_T
+                ("no_kd", False, "half", True, True),  # -L_kd
+                ("no_mlm_kd", False, "half", False, True),  # -L_MLM & L_kd
+                ("nmt_only", False, "half", False, False),  # -L_MLM & L_T & L_kd
+                ("full_layer_kd", True, "full", True, True),  # +L_fkd - L_kd
+            )
         },
-        baseline="nmt_only", description="PLM-sponsored loss ablation: NMT loss, KD loss, both"),
-    # Document context: where the context enters the model...
+        fixed={"model.bert.freeze": False},  # the source BERT is fine-tuned (base configs freeze it)
+        baseline="full", citation="PLM-sponsored NMT (seed 001), Table 3",
+        description="PLM-sponsored loss ablation: MLM, target LM, half-layer KD (vs full-layer KD)"),
+    # Document context (BERT as context encoder, seed 003): where C_B enters the model (Table 3)...
+    # Both studies need a document corpus: --set data.corpus=docparallel (or maruf2019_*) and its data_dir.
     "doc_context_integration": SearchSpace(
         STUDY, "doc_context_integration", "doc_context",
         arms={
@@ -52,16 +71,20 @@ SPACES = {
             "decoder": {"model.context_integration": "decoder"},
             "encoder_decoder": {"model.context_integration": "both"},
         },
-        baseline="sentence_level", description="document-context integration: none, encoder, decoder, both"),
-    # ...and which context it is.
+        fixed={"model.context_type": "real"},
+        baseline="sentence_level", citation="BERT as document-level context encoder (seed 003), Table 3",
+        description="document-context integration: none (sentence-level), encoder, decoder, both"),
+    # ...and which context BERT reads (Table 4, Li et al. 2020's protocol): the previous sentence of the
+    # document, a sentence of random source-vocabulary words, or one fixed sentence.
     "doc_context_type": SearchSpace(
         STUDY, "doc_context_type", "doc_context",
         arms={
-            "none": {"model.context_type": "none"},
-            "previous_source": {"model.context_type": "previous_source"},
-            "previous_target": {"model.context_type": "previous_target"},
-            "previous_both": {"model.context_type": "previous_both"},
+            "context": {"model.context_type": "real"},
+            "random": {"model.context_type": "random"},
+            "fixed": {"model.context_type": "fixed"},
         },
-        baseline="none", description="document-context type: previous source / target / both sentences"),
+        fixed={"model.context_integration": "both"},
+        baseline="context", citation="BERT as document-level context encoder (seed 003), Table 4",
+        description="document-context type: previous sentence, random words, fixed sentence"),
 }
 DEFAULT = "bert_jam"

@@ -30,10 +30,28 @@ TINY_MODEL_OVERRIDES: dict[str, dict] = {
     "bert_jam_m2": {"bert": TINY_BERT},
     "bert_jam_m3": {"bert": TINY_BERT},
     "bert_jam_dropnet_finetune": {"bert": {**TINY_BERT, "freeze": False}, "decoder_p_net": 1.0},
+    "doc_context": {"bert": TINY_BERT},
+    "doc_context_encoder": {"bert": TINY_BERT, "context_integration": "encoder"},
+    "doc_context_decoder_prenorm": {"bert": TINY_BERT, "context_integration": "decoder", "pre_norm": True},
+    "doc_context_none": {"bert": TINY_BERT, "context_integration": "none"},
+    "mask_fusion": {"bert": TINY_BERT},
+    "mask_fusion_m1": {"bert": TINY_BERT},
+    "mask_fusion_m2": {"bert": TINY_BERT},
+    "mask_fusion_m3": {"bert": TINY_BERT},
+    "mask_fusion_theta1_finetune": {"bert": {**TINY_BERT, "freeze": False}, "mask_threshold": 1.0},
+    # PLM-sponsored: fine-tuned source BERT, the tiny BERT as target BERT too; all losses on / all off.
+    "plm_sponsored": {"bert": {**TINY_BERT, "freeze": False}, "tgt_bert": {**TINY_BERT, "freeze": False}},
+    "plm_sponsored_plain_d48": {"bert": TINY_BERT, "tgt_bert": TINY_BERT, "d_model": 48, "encoder_gate": False,
+                                "kd_teacher": False, "mlm_loss": False, "tgt_lm_loss": False,
+                                "share_embeddings": False},
 }
 CASES = {name: name for name in MODEL_REGISTRY} | {
+    "doc_context_encoder": "doc_context", "doc_context_decoder_prenorm": "doc_context",
+    "doc_context_none": "doc_context",
     "transformer_prenorm": "transformer", "bert_fused_pnet0": "bert_fused", "bert_fused_finetune": "bert_fused",
-    "bert_jam_dropnet_finetune": "bert_jam"}
+    "bert_jam_dropnet_finetune": "bert_jam",
+    "mask_fusion_theta1_finetune": "mask_fusion",
+    "plm_sponsored_plain_d48": "plm_sponsored"}
 
 
 def tiny_model(case: str, seed: int = 0):
