@@ -150,3 +150,18 @@ def test_decoder_average_is_eq_10(small_batch):
         want = layer.ffn_res.after(y, layer.ffn(layer.ffn_res.before(y)))
         got = layer(x, enc.out, enc.mask, bert, enc.extras["bert_mask"], model.dec_drop_net.weights())
     torch.testing.assert_close(got, want)
+
+
+def test_three_phases_end_to_end_from_python(tmp_path):
+    """``run_experiment`` on BERT-JAM: the model's own three-phase schedule runs (warmup → glu → finetune),
+    the cache serves phases 1-2, BERT trains in phase 3 only, and the test set is decoded and scored."""
+    from nmtcore.train import run_experiment
+    from tests.synthetic import tiny_experiment
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [1, 1, 1],
+                                       "train.max_epochs": 10, "train.num_threads": 1})
+    summary = run_experiment(cfg)
+    assert summary["epochs"] == 3 and summary["stop_reason"] == "end_of_schedule"
+    assert math.isfinite(summary["test"]["test"]["bleu"])
+    assert summary["trainable_parameters"] == summary["parameters"]  # phase 3 fine-tunes BERT too
