@@ -325,10 +325,10 @@ def _heatmap(report: SweepReport, rows_key: str, cols_key: str, path: Path, plt:
     ax.set_yticks(range(len(rows)), [_fmt(r) for r in rows])
     ax.set_xlabel(cols_key)
     ax.set_ylabel(rows_key)
-    ax.set_title(f"{report.sweep}: test BLEU ({report.test_split})")
+    ax.set_title(f"{report.sweep}: test BLEU ({report.test_split})", fontsize="medium", wrap=True)
     fig.colorbar(im, ax=ax, label="BLEU")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long titles stay whole
     plt.close(fig)
     return path
 
@@ -349,7 +349,7 @@ def _curve(report: SweepReport, x_key: str, path: Path, plt: Any) -> Path:
     ax.set_title(report.sweep)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long titles stay whole
     plt.close(fig)
     return path
 
@@ -368,7 +368,7 @@ def _cost(report: SweepReport, path: Path, plt: Any) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{report.sweep}: BLEU vs cost")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long titles stay whole
     plt.close(fig)
     return path
 

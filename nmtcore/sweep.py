@@ -1050,7 +1050,12 @@ def _prewarm(base: ExperimentConfig, space: SearchSpace) -> dict[str, str]:
         key = json.dumps({k: v for k, v in cfg.flat().items() if k.startswith("model.bert.")}, sort_keys=True)
         if cfg.model.bert.enabled and key not in seen:
             seen.add(key)
+            b = cfg.model.bert
+            what = b.name or f"L{b.layers}-H{b.hidden}"
+            print(f"preparing BERT {what} (resolved, or pretrained on this machine if nothing answers) ...", flush=True)
+            t0 = time.perf_counter()
             _prepare_resources(cfg)
+            print(f"  BERT {what} ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return checksums
 
 
