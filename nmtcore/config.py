@@ -327,13 +327,13 @@ class ExperimentConfig:
         if "model.name" in overrides and overrides["model.name"] != d["model"]["name"]:
             shared = {f.name for f in dataclasses.fields(ModelConfig)}
             name = _parse_scalar(overrides["model.name"])
+            old = d["model"]
             # The new family's own fields at their defaults, so they can be overridden in the same call.
-            d["model"] = {f.name: _to_plain(f.default if f.default_factory is dataclasses.MISSING
-                                            else f.default_factory())
+            d["model"] = {f.name: old[f.name] if f.name in shared else _to_plain(
+                              f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
                           for f in dataclasses.fields(_model_config_class(str(name), "model.name"))
-                          if f.name not in shared
-                          and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
-            d["model"].update({k: v for k, v in self.to_dict()["model"].items() if k in shared})
+                          if f.name in shared or f.default is not dataclasses.MISSING
+                          or f.default_factory is not dataclasses.MISSING}
             d["model"]["name"] = name
         for key, value in overrides.items():
             parts = key.split(".")

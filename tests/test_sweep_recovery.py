@@ -19,24 +19,9 @@ from nmtcore import sweep, tracking  # noqa: E402
 from nmtcore.train import Callback  # noqa: E402
 from search_spaces import SearchSpace, grid  # noqa: E402
 from tests.synthetic import tiny_experiment  # noqa: E402
+from tests.test_sweep import ray_cluster, store  # noqa: E402,F401  (module-scoped: one cluster per module)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    sweep.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
-    yield
-    sweep.shutdown_ray()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    uri = "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
-    tracking.Tracker(uri, experiment="warmup").end()
-    return uri
 
 
 @pytest.fixture
