@@ -305,8 +305,15 @@ class ExperimentConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ExperimentConfig":
-        with open(path, encoding="utf-8") as f:
-            d = yaml.safe_load(f) or {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = yaml.safe_load(f) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not valid UTF-8") from None
+        except yaml.YAMLError as e:  # its message spans lines; the position and the problem fit in one
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+            raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         return cls.from_dict(d)
@@ -321,19 +328,18 @@ class ExperimentConfig:
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ExperimentConfig":
         """Return a copy with flat dotted keys replaced; values may be strings (parsed as YAML)."""
         d = self.to_dict()
-        # A model.name change re-types the model section: the fields every family shares (the
-        # Transformer's dims and the BERT choice) carry over, family-specific ones restart at the new
-        # class's defaults.
+        # A model.name change re-types the model section: a field every family shares (the
+        # Transformer's dims, the BERT choice) keeps its value when it was set (differs from the old
+        # family's default); everything else starts at the new family's defaults, e.g. the source BERT
+        # plm_sponsored needs, and can be overridden in the same call.
         if "model.name" in overrides and overrides["model.name"] != d["model"]["name"]:
             shared = {f.name for f in dataclasses.fields(ModelConfig)}
             name = _parse_scalar(overrides["model.name"])
             old = d["model"]
-            # The new family's own fields at their defaults, so they can be overridden in the same call.
-            d["model"] = {f.name: old[f.name] if f.name in shared else _to_plain(
-                              f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
-                          for f in dataclasses.fields(_model_config_class(str(name), "model.name"))
-                          if f.name in shared or f.default is not dataclasses.MISSING
-                          or f.default_factory is not dataclasses.MISSING}
+            old_defaults = _field_defaults(_model_config_class(str(old["name"]), "model.name"))
+            new_defaults = _field_defaults(_model_config_class(str(name), "model.name"))
+            d["model"] = {k: _keep_set(old[k], old_defaults.get(k), v) if k in shared else v
+                          for k, v in new_defaults.items()}
             d["model"]["name"] = name
         for key, value in overrides.items():
             parts = key.split(".")
@@ -349,6 +355,20 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """A config dataclass's fields that have defaults, as plain values."""
+    return {f.name: _to_plain(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+def _keep_set(value: Any, old_default: Any, new_default: Any) -> Any:
+    """``value`` where it differs from ``old_default`` (it was set), else ``new_default``; per key in sections."""
+    if isinstance(value, dict) and isinstance(old_default, dict) and isinstance(new_default, dict):
+        return {k: _keep_set(value[k], old_default.get(k), v) if k in value else v for k, v in new_default.items()}
+    return value if value != old_default else new_default
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

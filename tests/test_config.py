@@ -107,3 +107,16 @@ def test_switching_model_family_and_setting_its_own_fields_in_one_call():
     assert fused.model.p_net == 0.0 and fused.model.ffn_dim == 1024
     with pytest.raises(ConfigError, match="model.phase_epochs: unknown key"):  # the transformer has no phases
         preset("multi30k_small").with_overrides({"model.phase_epochs": [1, 1, 1]})
+
+
+def test_switching_family_keeps_set_fields_and_takes_the_new_familys_defaults():
+    # The preset sets d_model; the baseline leaves its BERT unset, so plm_sponsored's own default
+    # source/target BERTs apply (a carried-over "no BERT" would make the family unusable).
+    plm = preset("multi30k_small").with_overrides({"model.name": "plm_sponsored"})
+    assert plm.model.d_model == 256 and plm.model.bert.name == "minilm" and plm.model.tgt_bert.name
+    # A BERT the user chose survives the switch, and so does a changed dropout.
+    fused = preset("multi30k_small").with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm",
+                                                    "model.dropout": 0.3})
+    back = fused.with_overrides({"model.name": "plm_sponsored"})
+    # Per key inside the BERT section: the chosen name stays, the unset freeze takes plm's (fine-tuned).
+    assert (back.model.bert.name, back.model.dropout, back.model.bert.freeze) == ("minilm", 0.3, False)
