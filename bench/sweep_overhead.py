@@ -2,7 +2,7 @@
 same trial as a one-trial sweep through Tune + Ray Train + MLflow, measured one after the other in one
 run, and printed as the overhead in seconds and as a fraction of the direct trial's wall time.
 
-Two overheads are reported:
+Three overheads are reported:
 
 * **end to end**: ``run_sweep`` wall time (Ray cluster start, data pre-check, MLflow parent run,
   Tune, the Train worker group, per-epoch checkpoint upload, MLflow child logging, report) minus the
@@ -17,6 +17,13 @@ Runs are ordered direct, sweep, sweep, direct (``--repeat 2``) so a drift in mac
 sides alike; the load average is recorded. Both ways must give the same test BLEU (same trial).
 
 Bar: per-trial overhead <= 10% of the trial's wall time for a trial of >= 2 minutes.
+
+Threads: ``--threads`` (default 1, a sweep's per-trial layout on 2 cores) leaves room for Ray's control
+plane (GCS, raylet, dashboard, the Tune driver, the Train controller and its helper actors: about 0.16 of
+a core in steady state, measured on 2 cores). With ``--threads`` equal to the core count the trial's
+threads share every core with it, and the training loop inside the trial runs ~10-15% slower than the
+direct run: that is CPU contention, not work the platform adds (``trial_time_outside_trainer`` stays at
+~11 s either way).
 
     python bench/sweep_overhead.py --data-dir ../shared/data [--epochs 1] [--threads 1] [--out bench/out]
 """
