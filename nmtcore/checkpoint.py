@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 import tempfile
 from pathlib import Path
@@ -79,8 +80,23 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         raise CheckpointError(f"{path}: checksum mismatch (corrupt or partially written checkpoint)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path}: cannot load safely: {str(e).splitlines()[0]}") from e
+    except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain containers
+        # torch's message is a page of advice on how to load it anyway; only its reason belongs here.
+        reason = next((line.split(_WO_REASON, 1)[1] for line in str(e).splitlines() if _WO_REASON in line), str(e))
+        raise CheckpointError(f"{path}: cannot load safely (it holds more than tensors and plain containers; "
+                              f"unpickling it could run code): {_first_sentence(reason)}") from e
+    except Exception as e:  # a file whose sidecar matches but is not a whole torch.save archive
+        raise CheckpointError(f"{path}: not a readable checkpoint (truncated, or not written by "
+                              f"torch.save?): {_first_sentence(str(e))}") from e
+
+
+_WO_REASON = "WeightsUnpickler error:"
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an exception message, without terminal colour codes."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if line.strip()]
+    return lines[0].split(". ")[0].rstrip(".") if lines else "unknown error"
 
 
 def epoch_checkpoints(save_dir: Path) -> list[Path]:

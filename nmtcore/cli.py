@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,6 +34,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from nmtcore.train import run_experiment
 
     cfg = _experiment_config(args)
+    # Before the MLflow run starts and before any data is read: a run that cannot save fails at once.
+    check_writable_dir(cfg.output_dir, "output_dir")
+    if cfg.train.save_dir:
+        check_writable_dir(cfg.train.save_dir, "train.save_dir")
     if args.no_track:
         summary = run_experiment(cfg, resume=not args.no_resume)
     else:
@@ -47,22 +53,36 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    from nmtcore.checkpoint import atomic_write_bytes
+    from nmtcore.data import decode_lines, read_lines
     from nmtcore.translate import load_translator
 
+    if args.output != "-":
+        if Path(args.output).is_dir():
+            raise ConfigError(f"--output: {args.output} is a directory")
+        check_writable_dir(Path(args.output).absolute().parent, "--output")
+    # Undecodable input is a one-line error naming the file and line, not a traceback.
+    lines = decode_lines(sys.stdin.buffer.read(), "<stdin>") if args.input == "-" else read_lines(Path(args.input))
     translator = load_translator(Path(args.checkpoint), overrides=parse_overrides(args.set or []))
-    src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-    with src, out:
-        lines = [line.rstrip("\n") for line in src]
-        for hyp in translator.translate(lines):
-            out.write(hyp + "\n")
+    text = "".join(hyp + "\n" for hyp in translator.translate(lines))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:  # written whole or not at all: a failed run never leaves half a file of hypotheses
+        atomic_write_bytes(Path(args.output), text.encode("utf-8"))
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from nmtcore import bleu
+    from nmtcore.data import DataError, read_lines
 
-    print(json.dumps(bleu.evaluate_files(args.hyp, args.ref), indent=2))
+    for path in (args.hyp, args.ref):
+        read_lines(Path(path))  # a missing or undecodable file: one line naming it (and the line)
+    try:
+        scores = bleu.evaluate_files(args.hyp, args.ref)
+    except ValueError as e:  # the files' line counts differ (both named)
+        raise DataError(str(e)) from None
+    print(json.dumps(scores, indent=2))
     return 0
 
 
@@ -163,6 +183,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except user_errors() as e:
         print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+
+
+def check_writable_dir(path: str | os.PathLike, key: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``key`` unless directory ``path`` exists or can be
+    created, and is writable.
+
+    Probes with a real write (a temporary directory in the nearest existing ancestor, removed at once):
+    as root, permission bits say nothing (``/proc``, read-only mounts), and the probe leaves nothing behind.
+    """
+    target = Path(path).expanduser().absolute()
+    ancestor = target
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor == target and not target.is_dir():
+        raise ConfigError(f"{key}: {target} is not a directory")
+    if not ancestor.is_dir():
+        raise ConfigError(f"{key}: cannot create directory {target}: {ancestor} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nmtcore-write-check-", dir=ancestor))
+    except OSError as e:
+        where = "" if ancestor == target else f" (cannot create it in {ancestor})"
+        raise ConfigError(f"{key}: directory {target} is not writable{where}: {e.strerror or e}") from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

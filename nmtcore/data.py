@@ -312,11 +312,16 @@ def read_lines(path: Path) -> list[str]:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
             raise DataError(f"{path} is not a valid gzip file ({e})") from None
+    return decode_lines(raw, str(path))
+
+
+def decode_lines(raw: bytes, source: str) -> list[str]:
+    """:func:`read_lines` on bytes already read (``source`` names them in errors, e.g. ``<stdin>``)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line_no = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}: line {line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
+        raise DataError(f"{source}: line {line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
                         "re-encode the file as UTF-8") from None
     if text.startswith("\ufeff"):
         text = text[1:]

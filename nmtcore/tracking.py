@@ -134,8 +134,8 @@ def _check_local_store(uri: str) -> Path | None:
     try:
         db.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TrackingError(f"cannot create tracking store directory {db.parent} ({uri}): "
-                            f"{e.strerror or _one_line(e)}") from None
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or _one_line(e)
+        raise TrackingError(f"cannot create tracking store directory {db.parent} ({uri}): {why}") from None
     # sqlite also writes a journal next to the database, so the directory must be writable too.
     if not os.access(db.parent, os.W_OK | os.X_OK):
         raise TrackingError(f"tracking store directory {db.parent} is not writable ({uri})")
