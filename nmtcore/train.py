@@ -292,8 +292,9 @@ class Trainer:
 
     def restore(self, ckpt: dict[str, Any], source: str) -> None:
         if ckpt["vocab"]["checksum"] != self.data.vocab.checksum:
-            raise RuntimeError(f"{source}: vocabulary {ckpt['vocab']['checksum'][:12]} differs from this run's "
-                               f"{self.data.vocab.checksum[:12]}")
+            raise CheckpointError(f"{source}: vocabulary {ckpt['vocab']['checksum'][:12]} differs from this "
+                                  f"run's {self.data.vocab.checksum[:12]} (resume with the data settings that "
+                                  "wrote it, or --no-resume / a new output dir)")
         ts = ckpt["train_state"]
         if self.phases:  # the optimizer state saved belongs to the phase of the saved epoch
             self.enter_phase(phase_index(self.phases, max(ts["epoch"], 1)))

@@ -490,3 +490,16 @@ def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: P
     # The MLflow UI command printed after a sweep serves a local store on 127.0.0.1 only.
     ui = tracking.ui_command(world.uri)
     assert "--host 127.0.0.1" in ui and "0.0.0.0" not in ui
+
+
+def test_resume_from_a_checkpoint_of_another_vocabulary(world: World, cli, tmp_path: Path) -> None:
+    """An output dir holding a run with other data settings: resuming it names the checkpoint, and the
+    checkpoint stays as it was."""
+    out = tmp_path / "run"
+    assert cli("train", "--config", world.config, "--output-dir", out, "--no-track").code == 0
+    before = {p: p.stat().st_mtime_ns for p in files_under(out)}
+    r = cli("train", "--config", world.config, "--output-dir", out, "--no-track", "--set", "data.vocab_size=80",
+            "train.max_epochs=2")
+    line = one_line_error(r, str(out / "checkpoints" / "epoch1.pt"), "vocabulary", "--no-resume")
+    assert world.other_vocab.checksum[:12] in line
+    assert {p: p.stat().st_mtime_ns for p in files_under(out)} == before
