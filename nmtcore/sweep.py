@@ -578,6 +578,13 @@ def _train_loop(lc: dict[str, Any]) -> None:
             if tracker is not None:
                 tracker.set_tags({tracking.FAILURE_KIND_TAG: "nonfinite", tracking.TRIAL_STATE_TAG: "failed"})
             raise
+        except Exception:
+            # Any other error (out of memory...): the run ends FAILED below; its state must say so too
+            # (else a FAILED run stays "running": the driver's clean-up only touches RUNNING runs).
+            if tracker is not None:
+                with contextlib.suppress(Exception):  # never mask the error that ended the trial
+                    tracker.set_tags({tracking.TRIAL_STATE_TAG: "failed"})
+            raise
         final = dict(reporter.last_epoch) or _last_epoch_metrics(cfg)
         test = summary["test"].get(lc["test_split"]) or next(iter(summary["test"].values()), {})
         final.update({"epoch": float(summary["epochs"]), "test_bleu": test.get("bleu", float("nan")),
