@@ -8,8 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from nmtcore.bert import bert_layers, word_start_table
-from nmtcore.checkpoint import load_checkpoint, load_model_weights
-from nmtcore.config import ExperimentConfig
+from nmtcore.checkpoint import CheckpointError, load_checkpoint, load_model_weights
+from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.data import encode_split
 from nmtcore.models import NMTModel, build_model
 from nmtcore.tokenization import SubwordVocab
@@ -36,7 +36,13 @@ class Translator:
 def load_translator(path: Path, overrides: Mapping[str, Any] | None = None) -> Translator:
     """Rebuild the model from the checkpoint's own config through the registry and load its weights."""
     ckpt = load_checkpoint(path)
-    cfg = ExperimentConfig.from_dict(ckpt["config"])
+    missing = [k for k in ("config", "vocab", "model") if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a model checkpoint of this project (no {', '.join(missing)})")
+    try:
+        cfg = ExperimentConfig.from_dict(ckpt["config"])
+    except ConfigError as e:  # e.g. written by a newer version with keys this one does not know
+        raise CheckpointError(f"{path}: its config does not load here: {e}") from None
     if overrides:
         cfg = cfg.with_overrides(overrides)
     vocab = SubwordVocab.from_tensor_payload(ckpt["vocab"])

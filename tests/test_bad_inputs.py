@@ -293,6 +293,12 @@ def test_train_bad_input(args: Args, culprits: Callable, starts_run: bool, world
 
 
 TRANSLATE_CASES: list[tuple[str, Args, Callable[[World, Path], list[str]]]] = [
+    ("checkpoint-without-config", lambda w, t: ["--checkpoint", save_checkpoint(t / "bare.pt", {"weights": {}})],
+     lambda w, t: [f"{t / 'bare.pt'}: not a model checkpoint of this project (no config, vocab, model)"]),
+    ("checkpoint-config-unknown-key", lambda w, t: ["--checkpoint", save_checkpoint(
+        t / "newer.pt", {"model": {}, "vocab": w.vocab.to_tensor_payload(),
+                         "config": {**w.cfg.to_dict(), "train": {**w.cfg.to_dict()["train"], "future_knob": 1}}})],
+     lambda w, t: [f"{t / 'newer.pt'}: its config does not load here", "future_knob"]),
     ("checkpoint-missing", lambda w, t: ["--checkpoint", "/nonexistent.pt"],
      lambda w, t: ["/nonexistent.pt: checkpoint not found"]),
     ("checkpoint-truncated", lambda w, t: ["--checkpoint", truncated(good(w, t))],
