@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,19 @@ def shared_data_dir() -> Path:
     if not (d / "multi30k").is_dir():
         pytest.skip(f"shared data not found at {d}")
     return d
+
+
+@pytest.fixture
+def deadline():
+    """Fail (never hang) a test that runs past 15 minutes: SIGALRM interrupts Tune's loop."""
+    def fire(signum, frame):
+        raise TimeoutError("sweep hung for 15 minutes")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(900)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
 
 
 def make_batch(src: list[list[int]], tgt: list[list[int]]):

@@ -34,18 +34,6 @@ pytestmark = pytest.mark.slow
 GiB = 1024**3
 
 
-@pytest.fixture
-def deadline():
-    """Fail (never hang) a test that runs past 10 minutes: SIGALRM interrupts Tune's loop."""
-    def fire(signum, frame):
-        raise TimeoutError("sweep hung for 10 minutes")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(600)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
 
 def counts(expected_keys: set[str], children: list[tracking.RunRecord]) -> dict[str, int]:
     """Trials expected / completed / duplicated (extra child runs for a key) / lost (no complete run)."""

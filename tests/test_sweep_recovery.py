@@ -24,18 +24,6 @@ from tests.test_sweep import ray_cluster, store  # noqa: E402,F401  (module-scop
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def deadline():
-    """Fail (never hang) a test that runs past 15 minutes: SIGALRM interrupts Tune's loop."""
-    def fire(signum, frame):
-        raise TimeoutError("sweep hung for 15 minutes")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(900)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
 
 def tiny(tmp: Path, **overrides):
     return tiny_experiment(tmp, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1,
