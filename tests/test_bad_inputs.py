@@ -97,7 +97,8 @@ class Result:
 def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
     """``cli("train", ...)`` runs ``nmtcore train ...`` in this process, offline."""
     monkeypatch.setenv("NMTCORE_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Not HF_HUB_OFFLINE: huggingface_hub reads it once, at import, and would stay offline for every
+    # later test of the session (the hub-download test of tests/test_bert.py).
     sigterm = signal.getsignal(signal.SIGTERM)  # main() installs its own handler: give pytest's back
 
     def run(*argv: Any) -> Result:
