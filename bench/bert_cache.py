@@ -27,16 +27,13 @@ import torch
 
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
-from nmtcore.models import build_model
-from nmtcore.train import Trainer, setup_torch
+from nmtcore.engine import build_trainer, setup_torch
 
 
 def epoch(cfg, data, label: str) -> dict[str, float]:
     """Build the model and trainer (BERT stream and cache included), then time one training epoch."""
-    setup_torch(cfg)
     t0 = time.perf_counter()
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    trainer = build_trainer(cfg, data, device=torch.device("cpu"))
     setup_s = time.perf_counter() - t0
     m = trainer.train_epoch(1)
     print(f"{label}: epoch_s={m['train_wall_s']:.1f} updates={int(m['num_updates'])} "

@@ -41,12 +41,14 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("NMTCORE_NO_PROGRESS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from nmtcore import sweep, tracking  # noqa: E402
-from nmtcore.config import preset  # noqa: E402
-from nmtcore.train import run_experiment  # noqa: E402
-from search_spaces import SearchSpace, grid  # noqa: E402
+from nmtcore import tracking
+from nmtcore.config import preset
+from nmtcore.engine import run_experiment
+from nmtcore.sweep import driver
+from nmtcore.sweep import settings as sweep_settings
+from search_spaces import SearchSpace, grid
 
 
 def main() -> int:
@@ -82,12 +84,12 @@ def main() -> int:
         else:  # the same trial as a one-trial sweep (the grid's only point is the config's own d_model)
             space = SearchSpace("bench", "one", None, params={"model.d_model": grid((cfg.model.d_model,))},
                                 metric="valid_loss", mode="min")
-            settings = sweep.SweepSettings(name=f"overhead{i}", storage=str(work / "ray"),
+            settings = sweep_settings.SweepSettings(name=f"overhead{i}", storage=str(work / "ray"),
                                            tracking_uri=f"sqlite:///{work}/m.db", cpus_per_trial=float(args.threads),
                                            num_cpus=os.cpu_count(), dashboard=True, report_dir=str(work / f"r{i}"),
                                            verbose=0)
             t0 = time.perf_counter()
-            result = sweep.run_sweep(space, cfg.with_overrides({"output_dir": str(work / "unused")}), settings,
+            result = driver.run_sweep(space, cfg.with_overrides({"output_dir": str(work / "unused")}), settings,
                                      log_to_driver=False)
             sweep_walls.append(time.perf_counter() - t0)
             (trial,) = result.trials

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from nmtcore.checkpoint import load_checkpoint, load_model_weights
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
-from nmtcore.models import build_model
+from nmtcore.decoding import translate_split
 from nmtcore.devices import autocast, autocast_dtype
-from nmtcore.train import Trainer, setup_torch, translate_split
+from nmtcore.engine import build_trainer, setup_torch
+from nmtcore.models import build_model
 
 
 class BareTransformer(torch.nn.Module):
@@ -77,9 +78,7 @@ def main() -> int:
     device = torch.device("cpu")
     for precision in args.precisions.split(","):
         c = cfg.with_overrides({"train.precision": precision})
-        torch.manual_seed(1)
-        model = build_model(c.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-        trainer = Trainer(c, model, data, device=device)
+        trainer = build_trainer(c, data, device=device)  # seeds torch with train.seed = 1
         it = trainer.train_batches(epoch=1)
         batches = [next(it) for _ in range(args.warmup + args.steps)]
         ours_s, tokens = time_steps(lambda b: trainer.train_step([b]), batches, args.warmup)

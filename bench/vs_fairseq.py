@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from nmtcore import bleu
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
-from nmtcore.models import build_model
-from nmtcore.train import Trainer, setup_torch, translate_split
-from nmtcore import bleu
+from nmtcore.decoding import translate_split
+from nmtcore.engine import build_trainer
 
 
 def experiment(args, name: str, lr: float, warmup: int, updates: int, precision: str):
@@ -45,9 +45,7 @@ def experiment(args, name: str, lr: float, warmup: int, updates: int, precision:
 
 def train_run(args, name, lr, warmup, updates, precision, data):
     cfg = experiment(args, name, lr, warmup, updates, precision)
-    setup_torch(cfg)
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
+    trainer = build_trainer(cfg, data, device=torch.device("cpu"))
     if args.reuse and trainer.resume() and trainer.state.num_updates >= updates:
         print(f"nmtcore {name}[{precision}]: reusing {trainer.save_dir} (training figures are from the first run)")
     elif args.reuse:

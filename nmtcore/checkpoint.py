@@ -9,59 +9,27 @@ a file that verifies. Loading refuses a file whose checksum does not match.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pickle
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nmtcore.files import atomic_file, atomic_write_bytes, sha256_file
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename (never a half-written ``path``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> Path:
     """Atomically save ``payload`` to ``path`` and its checksum to ``path.sha256``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with atomic_file(path) as tmp:
+        with open(tmp, "wb") as f:
             torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = sha256_file(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        digest = sha256_file(tmp, memo=False)
     atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
     return path
 
@@ -75,7 +43,7 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     if not sidecar.is_file():
         raise CheckpointError(f"{path}: no checksum file {sidecar.name} (incomplete write?)")
     expected = sidecar.read_text().split()[0] if sidecar.read_text().strip() else ""
-    actual = sha256_file(path)
+    actual = sha256_file(path, memo=False)
     if actual != expected:
         raise CheckpointError(f"{path}: checksum mismatch (corrupt or partially written checkpoint)")
     try:

@@ -1,6 +1,6 @@
 """Search spaces as data: one module per study, each a dict of named variants.
 
-``get_space("bert_size_grid:demo")`` returns a :class:`~search_spaces.spec.SearchSpace`; the study's
+``get_space("bert_size_grid:demo")`` returns a :class:`~nmtcore.sweep.space.SearchSpace`; the study's
 default variant is used when none is named. The registry below is explicit (no import side effects):
 a new study is one module plus one line here.
 """
@@ -10,11 +10,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Mapping
 
-from search_spaces import ablations, bert_size_grid, drop_net, kd_alpha, mask_threshold, transformer_grid
-from search_spaces.spec import (ARM_KEY, Choice, Curve, Grid, Heatmap, IntRange, LogUniform, SearchSpace, SpaceError,
+from search_spaces import ablations, bert_benefit, bert_size_grid, drop_net, kd_alpha, mask_threshold, transformer_grid
+from nmtcore.sweep.space import (ARM_KEY, Choice, Curve, Grid, Heatmap, IntRange, LogUniform, SearchSpace, SpaceError,
                                 Uniform, choice, grid, integer, loguniform, steps, uniform)
 
-_MODULES: tuple[ModuleType, ...] = (bert_size_grid, mask_threshold, drop_net, kd_alpha, ablations, transformer_grid)
+_MODULES: tuple[ModuleType, ...] = (bert_size_grid, bert_benefit, mask_threshold, drop_net, kd_alpha, ablations,
+                                    transformer_grid)
+MODULES: dict[str, ModuleType] = {m.STUDY: m for m in _MODULES}
 STUDIES: dict[str, Mapping[str, SearchSpace]] = {m.STUDY: m.SPACES for m in _MODULES}
 DEFAULT_VARIANT: dict[str, str] = {m.STUDY: m.DEFAULT for m in _MODULES}
 
@@ -36,5 +38,5 @@ def all_spaces() -> list[SearchSpace]:
 
 
 __all__ = ["ARM_KEY", "Choice", "Curve", "DEFAULT_VARIANT", "Grid", "Heatmap", "IntRange", "LogUniform", "STUDIES",
-           "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "get_space", "grid", "integer",
+           "MODULES", "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "get_space", "grid", "integer",
            "loguniform", "steps", "uniform"]

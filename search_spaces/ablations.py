@@ -1,5 +1,6 @@
-"""Ablation studies: each variant is a set of named arms (bundles of flat overrides) trained side by
-side; the report compares every arm to the first (or the named baseline) with a paired bootstrap.
+"""Ablation studies: each variant is a set of named arms (bundles of flat overrides) trained side by side
+with a control arm (the Transformer without BERT, same budget); the report compares every arm to the control
+with a paired bootstrap.
 
 The arms switch explicit config fields, never model names (STYLE: no behaviour on name substrings).
 The fields below are the ones the BERT models are specified to expose; until a model is registered its
@@ -7,27 +8,29 @@ study fails up front with "model '...' is not registered", and ``tests/test_sear
 every key against the real config class as soon as it is.
 """
 
-from search_spaces.spec import SearchSpace
+from nmtcore.sweep.space import SearchSpace
+from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, WARM_START
 
 STUDY = "ablations"
+DEFAULTS = MINILM
 
 SPACES = {
     # BERT-JAM M0–M3 (Table 7): each ablation is a registered model whose config is defined by its
     # fields (M1 glu=weighted_sum, M2 bert_layers=last without the GLU phase, M3 no warm-up phase).
     "bert_jam": SearchSpace(
-        STUDY, "bert_jam", "bert_jam",
+        STUDY, "bert_jam", "bert_jam", defaults=DEFAULTS, protocol=FROM_SCRATCH,
         arms={
             "M0_full": {"model.name": "bert_jam"},
             "M1_weighted_sum": {"model.name": "bert_jam_m1"},
             "M2_last_layer": {"model.name": "bert_jam_m2"},
             "M3_no_warmup": {"model.name": "bert_jam_m3"},
         },
-        baseline="M0_full", citation="Zhang et al. 2020, BERT-JAM, Table 7 (M0-M3)",
+        reference="M0_full", citation="Zhang et al. 2020, BERT-JAM, Table 7 (M0-M3)",
         description="BERT-JAM ablation: GLU layer fusion, all BERT layers, three-phase optimisation"),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
-        STUDY, "mask_fusion", "mask_fusion",
+        STUDY, "mask_fusion", "mask_fusion", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE,
         arms={
             "M0_full": {"model.bert_layers": "all", "model.embedding_fusion": "mask",
                         "model.adaptive_fusion": True},
@@ -38,13 +41,13 @@ SPACES = {
             "M3_no_adaptive_fusion": {"model.bert_layers": "all", "model.embedding_fusion": "mask",
                                       "model.adaptive_fusion": False},
         },
-        baseline="M0_full", citation="two-stage interactive fusion (seed 004), Table 4 (M0-M3)",
+        reference="M0_full", citation="two-stage interactive fusion (seed 004), Table 4 (M0-M3)",
         description="mask-fusion ablation: multi-layer BERT fusion, mask knowledge matrix, adaptive fusion"),
     # PLM-sponsored loss ablation (Table 3): L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T (Eq. 9). Every arm
     # sets every switch (nmtcore.models.plm_sponsored), so a base config cannot leak one into another arm;
     # train.kd_alpha is the weight of the NMT term (paper α = 0.9), 1 = no L_KD (and no teacher built).
     "plm_sponsored_loss": SearchSpace(
-        STUDY, "plm_sponsored_loss", "plm_sponsored",
+        STUDY, "plm_sponsored_loss", "plm_sponsored", defaults=DEFAULTS, protocol=FROM_SCRATCH,
         arms={
             arm: {"train.kd_alpha": 0.9 if kd else 1.0, "model.kd_teacher": kd, "model.kd_layer": layer,
                   "model.mlm_loss": mlm, "model.tgt_lm_loss": lt}
@@ -59,12 +62,13 @@ SPACES = {
             )
         },
         fixed={"model.bert.freeze": False},  # the source BERT is fine-tuned (base configs freeze it)
-        baseline="full", citation="PLM-sponsored NMT (seed 001), Table 3",
+        reference="full", citation="PLM-sponsored NMT (seed 001), Table 3",
         description="PLM-sponsored loss ablation: MLM, target LM, half-layer KD (vs full-layer KD)"),
     # Document context (BERT as context encoder, seed 003): where C_B enters the model (Table 3)...
     # Both studies need a document corpus: --set data.corpus=docparallel (or maruf2019_*) and its data_dir.
     "doc_context_integration": SearchSpace(
-        STUDY, "doc_context_integration", "doc_context",
+        STUDY, "doc_context_integration", "doc_context", defaults=DEFAULTS, protocol=WARM_START,
+        budget=STAGE,
         arms={
             "sentence_level": {"model.context_integration": "none"},
             "encoder": {"model.context_integration": "encoder"},
@@ -72,19 +76,19 @@ SPACES = {
             "encoder_decoder": {"model.context_integration": "both"},
         },
         fixed={"model.context_type": "real"},
-        baseline="sentence_level", citation="BERT as document-level context encoder (seed 003), Table 3",
+        reference="sentence_level", citation="BERT as document-level context encoder (seed 003), Table 3",
         description="document-context integration: none (sentence-level), encoder, decoder, both"),
     # ...and which context BERT reads (Table 4, Li et al. 2020's protocol): the previous sentence of the
     # document, a sentence of random source-vocabulary words, or one fixed sentence.
     "doc_context_type": SearchSpace(
-        STUDY, "doc_context_type", "doc_context",
+        STUDY, "doc_context_type", "doc_context", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE,
         arms={
             "context": {"model.context_type": "real"},
             "random": {"model.context_type": "random"},
             "fixed": {"model.context_type": "fixed"},
         },
         fixed={"model.context_integration": "both"},
-        baseline="context", citation="BERT as document-level context encoder (seed 003), Table 4",
+        reference="context", citation="BERT as document-level context encoder (seed 003), Table 4",
         description="document-context type: previous sentence, random words, fixed sentence"),
 }
 DEFAULT = "bert_jam"

@@ -7,17 +7,15 @@ BERT of that size), so ``model.bert.name`` is cleared. The model defaults to BER
 take ``--model`` (``bert_jam`` reproduces Table 6 itself).
 """
 
-from search_spaces.spec import Heatmap, SearchSpace, grid
+from nmtcore.sweep.space import Heatmap, SearchSpace, grid
+from search_spaces.protocols import STAGE, WARM_START
 
 STUDY = "bert_size_grid"
 MODEL = "bert_fused"
 LAYERS = (2, 4, 6, 8, 10, 12)
 HIDDEN = (128, 256, 512, 768)
-# 4 trials, 2 at a time on 2 cores, in under an hour on Multi30k (3 epochs of ~130 updates each).
-DEMO_BUDGET = {"train.max_epochs": 3, "train.warmup_updates": 100}
-
 _common = dict(
-    fixed={"model.bert.name": ""},
+    fixed={"model.bert.name": ""}, protocol=WARM_START, budget=STAGE,
     plot=Heatmap(rows="model.bert.layers", cols="model.bert.hidden"),
     citation="Zhang et al. 2020, BERT-JAM, Table 6 / Fig. 3",
 )
@@ -30,7 +28,6 @@ SPACES = {
     "demo": SearchSpace(
         STUDY, "demo", MODEL,
         params={"model.bert.layers": grid(LAYERS[:2]), "model.bert.hidden": grid(HIDDEN[:2])},
-        description="BERT size grid, demo corner L in {2, 4} x H in {128, 256}",
-        budget=DEMO_BUDGET, **_common),
+        description="BERT size grid, demo corner L in {2, 4} x H in {128, 256}", **_common),
 }
 DEFAULT = "demo"

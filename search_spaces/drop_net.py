@@ -1,19 +1,22 @@
 """BERT-fused's drop-net rate p_net ∈ [0, 1] (Zhu et al. 2020): the probability of training a layer
 through only its BERT-attention or only its encoder-attention branch instead of their average."""
 
-from search_spaces.spec import Curve, SearchSpace, grid, steps, uniform
+from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
+from search_spaces.protocols import MINILM, STAGE, WARM_START
 
 STUDY = "drop_net"
 MODEL = "bert_fused"
 KEY = "model.p_net"
+DEFAULTS = MINILM
 
 SPACES = {
     "grid": SearchSpace(
-        STUDY, "grid", MODEL, params={KEY: grid(steps(0.0, 1.0, 0.25))}, baseline={KEY: 0.0},
-        plot=Curve(KEY), citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net",
+        STUDY, "grid", MODEL, params={KEY: grid(steps(0.0, 1.0, 0.25))}, protocol=WARM_START, budget=STAGE,
+        defaults=DEFAULTS, plot=Curve(KEY), citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net",
         description="drop-net rate p_net in {0, 0.25, 0.5, 0.75, 1}"),
     "optuna": SearchSpace(
         STUDY, "optuna", MODEL, params={KEY: uniform(0.0, 1.0)}, num_samples=12, early_stopping=True,
-        plot=Curve(KEY), description="drop-net rate p_net ~ U[0, 1], Optuna TPE + ASHA"),
+        protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY),
+        description="drop-net rate p_net ~ U[0, 1], Optuna TPE + ASHA"),
 }
 DEFAULT = "grid"

@@ -1,10 +1,12 @@
 """The registered Transformer baseline's width × learning rate: the study that exercises the sweep
 platform end to end before any BERT model exists, and a baseline-tuning study in its own right."""
 
-from search_spaces.bert_size_grid import DEMO_BUDGET
-from search_spaces.spec import Heatmap, SearchSpace, grid, loguniform, uniform
+from nmtcore.sweep.space import Heatmap, SearchSpace, grid, loguniform, uniform
 
 STUDY = "transformer_grid"
+# 4 short trials, 2 at a time on 2 cores (3 epochs of ~130 updates each); no protocol: this study tunes the
+# baseline itself, so there is no control to compare with.
+DEMO_BUDGET = {"train.max_epochs": 3, "train.warmup_updates": 100}
 
 SPACES = {
     "demo": SearchSpace(

@@ -6,10 +6,8 @@ integration or context type) and report every arm against the baseline with pair
 
 import sys
 
-import common
+from nmtcore.cli.sweep import entry_point
 from search_spaces import ablations as study
 
 if __name__ == "__main__":
-    args = common.build_parser(__doc__.splitlines()[0], study.STUDY, list(study.SPACES), study.DEFAULT,
-                               variant_flag="--study", default_set=["model.bert.name=minilm"]).parse_args()
-    sys.exit(common.main(study.STUDY, args))
+    sys.exit(entry_point(study, __doc__, variant_flag="--study"))

@@ -8,10 +8,8 @@ heatmap. Default: the 2 × 2 ``demo`` corner on Multi30k En→De, 1 seed, on a l
 
 import sys
 
-import common
+from nmtcore.cli.sweep import entry_point
 from search_spaces import bert_size_grid as study
 
 if __name__ == "__main__":
-    args = common.build_parser(__doc__.splitlines()[0], study.STUDY, list(study.SPACES), study.DEFAULT,
-                               default_model=study.MODEL).parse_args()
-    sys.exit(common.main(study.STUDY, args))
+    sys.exit(entry_point(study, __doc__))

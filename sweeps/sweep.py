@@ -7,17 +7,17 @@ sweep that exercises the platform on the registered Transformer baseline).
 import argparse
 import sys
 
-import common
 import search_spaces
+from nmtcore.cli.sweep import build_parser, main
 
 if __name__ == "__main__":
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--space", default="transformer_grid")
-    known, rest = pre.parse_known_args()
-    study, _, variant = known.space.partition(":")
-    if study not in search_spaces.STUDIES:
-        sys.exit(f"sweep.py: error: unknown study {study!r} (studies: {', '.join(search_spaces.STUDIES)})")
-    parser = common.build_parser(__doc__.splitlines()[0], study, list(search_spaces.STUDIES[study]),
-                                 variant or search_spaces.DEFAULT_VARIANT[study])
+    known, _ = pre.parse_known_args()
+    name, _, variant = known.space.partition(":")
+    if name not in search_spaces.STUDIES:
+        sys.exit(f"sweep.py: error: unknown study {name!r} (studies: {', '.join(search_spaces.STUDIES)})")
+    study = search_spaces.MODULES[name]
+    parser = build_parser(__doc__.splitlines()[0], name, list(study.SPACES), variant or study.DEFAULT)
     parser.add_argument("--space", default=known.space, help="study[:variant]")
-    sys.exit(common.main(study, parser.parse_args()))
+    sys.exit(main(study, parser.parse_args()))

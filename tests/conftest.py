@@ -1,9 +1,12 @@
-"""Shared test fixtures: tiny configs for every registered model and hand-built batches."""
+"""Shared test fixtures: hand-built batches, the shared data, a deadline, one Ray cluster and one MLflow
+store per module that asks for them. Helpers live in :mod:`nmtcore.testing` (no test imports another)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,13 +14,15 @@ import torch
 
 os.environ.setdefault("NMTCORE_NO_PROGRESS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ["RAY_AUTH_MODE"] = "disabled"  # tests talk to Ray's dashboard API without a token
+
+from nmtcore.testing.zoo import make_batch
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
-PAD, BOS, EOS = 0, 2, 3
 
-
-def shared_data_dir() -> Path:
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
     """The team's shared data directory ($NMTCORE_DATA or ../shared/data); skips the test if absent."""
     d = Path(os.environ.get("NMTCORE_DATA", SHARED_DATA))
     if not (d / "multi30k").is_dir():
@@ -38,24 +43,6 @@ def deadline():
     signal.signal(signal.SIGALRM, old)
 
 
-def make_batch(src: list[list[int]], tgt: list[list[int]]):
-    """A right-padded Batch from token lists (without bos/eos)."""
-    from nmtcore.data import Batch
-
-    def pad(rows, prefix, suffix):
-        rows = [prefix + r + suffix for r in rows]
-        width = max(len(r) for r in rows)
-        t = torch.full((len(rows), width), PAD, dtype=torch.long)
-        for i, r in enumerate(rows):
-            t[i, : len(r)] = torch.tensor(r)
-        return t
-
-    s = pad(src, [], [EOS])
-    ti, to = pad(tgt, [BOS], []), pad(tgt, [], [EOS])
-    return Batch(src=s, src_mask=s.eq(PAD), tgt_in=ti, tgt_out=to, tgt_mask=to.eq(PAD),
-                 ids=torch.arange(len(src)), extras={})
-
-
 @pytest.fixture
 def small_batch():
     g = torch.Generator().manual_seed(0)
@@ -63,3 +50,25 @@ def small_batch():
     src = [torch.randint(4, 40, (n,), generator=g).tolist() for n in lens_s]
     tgt = [torch.randint(4, 40, (n,), generator=g).tolist() for n in lens_t]
     return make_batch(src, tgt)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs, no dashboard) for the module, its session files cleaned after."""
+    from nmtcore.sweep import ray_backend
+
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are length-limited
+    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
+    yield
+    ray_backend.shutdown_ray()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A sqlite MLflow store whose schema exists (created once, before parallel trials open it)."""
+    from nmtcore import tracking
+
+    uri = "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
+    tracking.Tracker(uri, experiment="warmup").end()
+    return uri

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import inspect
 import re
 import signal
@@ -31,14 +30,14 @@ from typing import Any, Callable
 import pytest
 
 from nmtcore import tracking
-from nmtcore.checkpoint import save_checkpoint, sha256_file
+from nmtcore.checkpoint import save_checkpoint
 from nmtcore.cli import main
 from nmtcore.config import ExperimentConfig
-from nmtcore.data import prepare_data
+from nmtcore.data import SubwordVocab, prepare_data
+from nmtcore.files import sha256_file
 from nmtcore.models import build_model
-from nmtcore.tokenization import SubwordVocab
+from nmtcore.testing.synthetic import tiny_experiment
 from search_spaces import SearchSpace, grid
-from tests.synthetic import tiny_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "nmtcore: error: "
@@ -415,16 +414,10 @@ def test_a_real_process_after_the_mlflow_run_started(world: World, tmp_path: Pat
 
 
 # ------------------------------------------------------------------------------------------------ sweeps
-def sweeps_common():
-    """``sweeps/common.py``, the entry points' shared command line (a script folder, not a package)."""
-    spec = importlib.util.spec_from_file_location("nmtcore_sweeps_common", REPO / "sweeps" / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def sweep_args(world: World, tmp_path: Path, variant: str) -> Any:
+    from nmtcore.cli import sweep as cli
 
-
-def sweep_args(common, world: World, tmp_path: Path, variant: str) -> Any:
-    return common.build_parser("test", "transformer_grid", ["demo", variant], variant).parse_args(
+    return cli.build_parser("test", "transformer_grid", ["demo", variant], variant).parse_args(
         ["--variant", variant, "--config", str(world.config), "--storage", str(tmp_path / "ray"),
          "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
          "--set", f"data.data_dir={world.data}", "train.valid_bleu=true"])
@@ -434,15 +427,16 @@ def test_sweep_space_with_a_missing_key_fails_before_ray(world: World, tmp_path:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the entry point's own error handling: one line naming the space and the key, exit 2,
     Ray never started, no Ray results folder and no MLflow store created."""
-    import search_spaces
-    from nmtcore import sweep
+    from types import SimpleNamespace as Study
 
-    common = sweeps_common()
+    from nmtcore.cli import sweep as cli
+    from nmtcore.sweep import ray_backend
+
     space = SearchSpace("transformer_grid", "typo", "transformer", params={"model.d_modle": grid((128, 256))})
-    monkeypatch.setattr(search_spaces, "get_space", lambda spec: space)
-    monkeypatch.setattr(sweep, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    study = Study(STUDY="transformer_grid", SPACES={"typo": space}, DEFAULT="typo")
+    monkeypatch.setattr(ray_backend, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
     monkeypatch.setattr(sys, "argv", ["sweeps/sweep.py"])
-    code = common.main("transformer_grid", sweep_args(common, world, tmp_path, "typo"))
+    code = cli.main(study, sweep_args(world, tmp_path, "typo"))
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     assert err == "sweep.py: error: transformer_grid:typo: model.d_modle: unknown key\n"
@@ -469,30 +463,32 @@ def test_every_torch_load_is_weights_only() -> None:
 
 def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: Path, capsys,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from nmtcore import sweep
+    import search_spaces
+    from nmtcore.cli import sweep as cli
+    from nmtcore.sweep import driver, ray_backend
+    from nmtcore.sweep import settings as sweep_settings
 
-    assert sweep.SweepSettings(name="s", storage=str(tmp_path)).dashboard_host == "127.0.0.1"
-    assert inspect.signature(sweep.init_ray).parameters["dashboard_host"].default == "127.0.0.1"
+    assert sweep_settings.SweepSettings(name="s", storage=str(tmp_path)).dashboard_host == "127.0.0.1"
+    assert inspect.signature(ray_backend.init_ray).parameters["dashboard_host"].default == "127.0.0.1"
     # The entry points leave it at the default...
     seen: dict[str, Any] = {}
 
     def stop(space, base, settings, **kw):
         seen["settings"] = settings
-        raise sweep.SweepError("stopped before Ray")
+        raise sweep_settings.SweepError("stopped before Ray")
 
-    monkeypatch.setattr(sweep, "run_sweep", stop)
+    monkeypatch.setattr(driver, "run_sweep", stop)
     monkeypatch.setattr(sys, "argv", ["sweeps/sweep.py"])
-    common = sweeps_common()
-    assert common.main("transformer_grid", sweep_args(common, world, tmp_path, "demo")) == 2
+    assert cli.main(search_spaces.MODULES["transformer_grid"], sweep_args(world, tmp_path, "demo")) == 2
     assert capsys.readouterr().err == "sweep.py: error: stopped before Ray\n"
     assert seen["settings"].dashboard_host == "127.0.0.1" and seen["settings"].dashboard
     # ...and init_ray hands it to ray.init (faked: no cluster starts).
-    for k, v in sweep.RAY_ENV.items():
+    for k, v in ray_backend.RAY_ENV.items():
         monkeypatch.setenv(k, v)  # init_ray sets defaults in os.environ; monkeypatch restores them
     calls: dict[str, Any] = {}
-    monkeypatch.setattr(sweep.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(sweep.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
-    sweep.init_ray(num_cpus=1)
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_backend.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
+    ray_backend.init_ray(num_cpus=1)
     assert calls["dashboard_host"] == "127.0.0.1" and calls["include_dashboard"] is True
     # The MLflow UI command printed after a sweep serves a local store on 127.0.0.1 only.
     ui = tracking.ui_command(world.uri)

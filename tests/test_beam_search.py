@@ -18,10 +18,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from nmtcore.beam_search import Hypothesis, beam_search, greedy_search, max_lengths, translate
 from nmtcore.config import DecodeConfig
+from nmtcore.decoding.beam_search import (
+    Hypothesis,
+    beam_search,
+    greedy_search,
+    max_lengths,
+    translate,
+)
 from nmtcore.models.base import DecoderState, EncoderOut, NMTModel
-from tests.test_model_contract import CASES, tiny_model, with_inputs
+from nmtcore.testing.zoo import CASES, tiny_model, with_inputs
 
 PAD, BOS, EOS, A, B, C = 0, 1, 2, 3, 4, 5
 VOCAB = 6

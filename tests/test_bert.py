@@ -17,12 +17,34 @@ import numpy as np
 import pytest
 import torch
 
-from nmtcore.bert import (BertError, BertLayer, BertNotFoundError, BertSpec, WordPieceEncoder, google_small_bert,
-                          network_allowed, nmt_word_index, pool_to_tokens, resolve_bert, word_start_table)
+from nmtcore.bert import (
+    BertError,
+    BertLayer,
+    BertNotFoundError,
+    BertSpec,
+    WordPieceEncoder,
+    google_small_bert,
+    network_allowed,
+    nmt_word_index,
+    pool_to_tokens,
+    resolve_bert,
+    word_start_table,
+)
 from nmtcore.config import BertConfig, ConfigError
-from nmtcore.data import EncodedSplit, batch_indices, collate, encode_split, inference_batches
-from nmtcore.tokenization import SubwordVocab
-from tests.bert_fixtures import TRICKY_LINE, fake_hf_cache, fake_pretrained_here, save_tiny_bert
+from nmtcore.data import (
+    EncodedSplit,
+    SubwordVocab,
+    batch_indices,
+    collate,
+    encode_split,
+    inference_batches,
+)
+from nmtcore.testing.tiny_bert import (
+    TRICKY_LINE,
+    fake_hf_cache,
+    fake_pretrained_here,
+    save_tiny_bert,
+)
 
 PAD, BOS, EOS = 0, 2, 3
 

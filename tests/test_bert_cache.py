@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from nmtcore.bert import BertLayer, prepare_bert_inputs, word_start_table
-from nmtcore.bert_cache import FeatureCache, FeatureKey, inputs_checksum
+from nmtcore.bert.features import FeatureCache, FeatureKey, inputs_checksum
 from nmtcore.config import BertConfig
 from nmtcore.data import BertInputs, collate, prepare_data
-from tests.bert_fixtures import save_tiny_bert
-from tests.synthetic import tiny_experiment
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.tiny_bert import save_tiny_bert
 
 PAD, BOS, EOS = 0, 2, 3
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ KILLED_WRITER = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {root!r})
     from tests.test_bert_cache import CountingBert, key_for, toy_inputs
-    from nmtcore.bert_cache import FeatureCache
+    from nmtcore.bert.features import FeatureCache
 
     marker = Path({marker!r})
     bert = CountingBert()
@@ -165,7 +165,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 def test_frozen_features_identical_with_and_without_cache(setup, caplog: pytest.LogCaptureFixture) -> None:
     bert_dir, cfg, data = setup
     layer = BertLayer(BertConfig(name=str(bert_dir)))
-    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         prepare_bert_inputs(layer, data)
     split = data.splits["valid"]
     assert split.bert.features is not None
@@ -184,7 +184,7 @@ def test_frozen_features_identical_with_and_without_cache(setup, caplog: pytest.
 
     # A second "trial": a new BertLayer on the same cache directory loads, computes nothing.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         prepare_bert_inputs(BertLayer(BertConfig(name=str(bert_dir))), data)
     assert sum("cache hit" in r.message for r in caplog.records) == len(data.splits)
     assert not any("computed" in r.message for r in caplog.records)

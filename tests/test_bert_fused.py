@@ -10,11 +10,10 @@ import torch
 
 from nmtcore.checkpoint import CheckpointError, save_checkpoint
 from nmtcore.config import ConfigError, ExperimentConfig
+from nmtcore.engine import warm_start
 from nmtcore.models import build_model
-from nmtcore.models.bert_fused import DropNet
-from nmtcore.train import warm_start
-from tests.conftest import BOS, EOS, PAD
-from tests.test_model_contract import TINY, TINY_BERT, VOCAB, with_inputs
+from nmtcore.nn import DropNet
+from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB, with_inputs
 
 NO_DROPOUT = {**TINY, "dropout": 0.0}
 
@@ -161,9 +160,9 @@ def test_translator_builds_the_bert_stream_of_raw_input(tmp_path):
     from pathlib import Path
 
     from nmtcore.data import prepare_data
-    from nmtcore.train import run_experiment
-    from nmtcore.translate import load_translator
-    from tests.synthetic import tiny_experiment
+    from nmtcore.decoding import load_translator
+    from nmtcore.engine import run_experiment
+    from nmtcore.testing.synthetic import tiny_experiment
 
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],
                                        "model.d_model": 32, "model.ffn_dim": 64, "train.max_epochs": 1,
@@ -173,5 +172,5 @@ def test_translator_builds_the_bert_stream_of_raw_input(tmp_path):
     test = prepare_data(cfg.data).splits["test"]
     src = list(test.raw_src)  # the same batches as the end-of-training decode: exact equality
     translator = load_translator(Path(cfg.output_dir) / "checkpoints" / "epoch1.pt")
-    expected = Path(summary["test"]["test"]["hyp_path"]).read_text(encoding="utf-8").splitlines()
+    expected = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
     assert translator.translate(src) == expected

@@ -10,11 +10,18 @@ import math
 import pytest
 import torch
 
-from nmtcore.config import BertConfig, ConfigError, ExperimentConfig, PhaseConfig
-from nmtcore.models import MODEL_REGISTRY, build_model
-from nmtcore.models.bert_jam import ABLATIONS, BertJamConfig, JointAttention, LayerGLU
-from tests.conftest import BOS, EOS, PAD
-from tests.test_model_contract import TINY, TINY_BERT, VOCAB, with_inputs
+from nmtcore.config import BERT_JAM_ABLATIONS as ABLATIONS
+from nmtcore.config import (
+    MODEL_CONFIGS,
+    BertConfig,
+    BertJamConfig,
+    ConfigError,
+    ExperimentConfig,
+    PhaseConfig,
+)
+from nmtcore.models import build_model, model_class
+from nmtcore.models.bert_jam import JointAttention, LayerGLU
+from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB, with_inputs
 
 
 def jam(name: str = "bert_jam", seed: int = 0, **fields):
@@ -106,9 +113,8 @@ def test_ablations_differ_from_m0_only_where_documented():
     bert = BertConfig(**TINY_BERT)
     m0 = BertJamConfig(bert=bert)
     for name, fields in ABLATIONS.items():
-        cfg_cls, model_cls = MODEL_REGISTRY[name]
-        assert model_cls is MODEL_REGISTRY["bert_jam"][1]
-        cfg = cfg_cls(bert=bert)
+        cfg = MODEL_CONFIGS[name](bert=bert)
+        assert model_class(cfg) is model_class(m0)
         diff = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(m0, f.name)}
         assert diff == {"name", *fields}, name
     models = {name: jam(name) for name in ("bert_jam", "bert_jam_m1", "bert_jam_m2", "bert_jam_m3")}
@@ -155,13 +161,13 @@ def test_decoder_average_is_eq_10(small_batch):
 def test_three_phases_end_to_end_from_python(tmp_path):
     """``run_experiment`` on BERT-JAM: the model's own three-phase schedule runs (warmup → glu → finetune),
     the cache serves phases 1-2, BERT trains in phase 3 only, and the test set is decoded and scored."""
-    from nmtcore.train import run_experiment
-    from tests.synthetic import tiny_experiment
+    from nmtcore.engine import run_experiment
+    from nmtcore.testing.synthetic import tiny_experiment
 
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
                                        "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [1, 1, 1],
                                        "train.max_epochs": 10, "train.num_threads": 1})
     summary = run_experiment(cfg)
-    assert summary["epochs"] == 3 and summary["stop_reason"] == "end_of_schedule"
-    assert math.isfinite(summary["test"]["test"]["bleu"])
-    assert summary["trainable_parameters"] == summary["parameters"]  # phase 3 fine-tunes BERT too
+    assert summary.epochs == 3 and summary.stop_reason == "end_of_schedule"
+    assert math.isfinite(summary.test["test"].bleu)
+    assert summary.trainable_parameters == summary.parameters  # phase 3 fine-tunes BERT too

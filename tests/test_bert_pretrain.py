@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from nmtcore.bert import BertSpec, ensure_bert, resolve_bert
-from nmtcore.bert_pretrain import DEFAULT_STEPS, PretrainSpec, pretrain_bert
+from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
+from nmtcore.bert.pretrain import pretrain_bert
 from nmtcore.config import BertConfig, DataConfig
-from nmtcore.data import file_sha256
+from nmtcore.files import sha256_file as file_sha256
 from nmtcore.models import build_model
-from tests.conftest import shared_data_dir
-from tests.synthetic import SRC_WORDS, tiny_experiment, write_corpus
+from nmtcore.testing.synthetic import SRC_WORDS, tiny_experiment, write_corpus
 
 TINY = dict(layers=1, hidden=64, corpus="parallel", lang="xx", steps=12, vocab_size=64, max_length=16)
 
@@ -123,12 +123,13 @@ def test_cli_bert_pretrain(corpus: DataConfig, tmp_path: Path, capsys: pytest.Ca
 
 
 @pytest.mark.slow
-def test_multi30k_small_bert_within_five_minutes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_multi30k_small_bert_within_five_minutes(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 shared_data: Path) -> None:
     """The issue's bar: ``nmtcore bert-pretrain --layers 2 --hidden 128`` on Multi30k En, <= 5 min on 2 cores."""
     from nmtcore.cli import main
 
     t0 = time.perf_counter()
-    assert main(["bert-pretrain", "--layers", "2", "--hidden", "128", "--data-dir", str(shared_data_dir()),
+    assert main(["bert-pretrain", "--layers", "2", "--hidden", "128", "--data-dir", str(shared_data),
                  "--cache-dir", str(tmp_path), "--threads", "2", "--no-download"]) == 0
     wall = time.perf_counter() - t0
     out = capsys.readouterr().out

@@ -11,15 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from nmtcore.checkpoint import CheckpointError, epoch_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from nmtcore.checkpoint import (
+    CheckpointError,
+    epoch_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from nmtcore.models import build_model
-from tests.synthetic import tiny_experiment
+from nmtcore.testing.synthetic import tiny_experiment
 
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     import nmtcore.checkpoint as ck
-    from tests.synthetic import tiny_experiment
-    from nmtcore.train import run_experiment
+    from nmtcore.testing.synthetic import tiny_experiment
+    from nmtcore.engine import run_experiment
     from pathlib import Path
 
     real_save = torch.save
@@ -46,10 +52,10 @@ def test_killed_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     assert load_checkpoint(save_dir / "epoch1.pt")["train_state"]["epoch"] == 1
 
     # Resuming picks epoch 1 and finishes the run.
-    from nmtcore.train import run_experiment
+    from nmtcore.engine import run_experiment
 
     summary = run_experiment(tiny_experiment(tmp_path, **{"train.max_epochs": 3}))
-    assert summary["resumed"] and summary["epochs"] == 3
+    assert summary.resumed and summary.epochs == 3
 
 
 def test_corrupt_or_unverified_checkpoints_are_refused(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints
-from tests.synthetic import translate as gold, write_corpus
+from nmtcore.testing.synthetic import translate as gold
+from nmtcore.testing.synthetic import write_corpus
 
 
 def nmtcore(*args, stdin=None, cwd=None):

@@ -2,7 +2,13 @@ import dataclasses
 
 import pytest
 
-from nmtcore.config import ConfigError, ExperimentConfig, PRESETS, parse_overrides, preset
+from nmtcore.config import (
+    PRESETS,
+    ConfigError,
+    ExperimentConfig,
+    parse_overrides,
+    preset,
+)
 
 
 def test_presets_build_and_carry_the_papers_settings():
@@ -85,14 +91,14 @@ def test_bad_override_syntax():
 
 
 def test_switching_model_family_keeps_shared_dims_and_bert():
-    from nmtcore.models import MODEL_REGISTRY
+    from nmtcore.config import MODEL_CONFIGS
 
-    other = next((n for n in MODEL_REGISTRY if n != "transformer"), None)
+    other = next((n for n in MODEL_CONFIGS if n != "transformer"), None)
     if other is None:
         pytest.skip("only the transformer is registered")
     cfg = preset("multi30k_small").with_overrides({"model.bert.name": "minilm"}).with_overrides(
         {"model.name": other})
-    assert cfg.model.name == other and type(cfg.model) is MODEL_REGISTRY[other][0]
+    assert cfg.model.name == other and type(cfg.model) is MODEL_CONFIGS[other]
     assert (cfg.model.d_model, cfg.model.encoder_layers, cfg.model.ffn_dim) == (256, 3, 1024)
     assert cfg.model.bert.name == "minilm"
 

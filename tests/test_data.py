@@ -19,12 +19,26 @@ import numpy as np
 import pytest
 import torch
 
-from nmtcore import data, tokenization
+from nmtcore import data
 from nmtcore.config import DataConfig
-from nmtcore.data import (CORPORA, DataError, EncodedSplit, batch_indices, collate, corpus_file, encode_split,
-                          inference_batches, iterate_batches, length_filter, load_split, prepare_data,
-                          read_lines, restore_order)
-from tests.conftest import shared_data_dir
+from nmtcore.data import (
+    CORPORA,
+    DataError,
+    EncodedSplit,
+    batch_indices,
+    collate,
+    corpus,
+    corpus_file,
+    encode_split,
+    inference_batches,
+    iterate_batches,
+    length_filter,
+    load_split,
+    prepare_data,
+    read_lines,
+    restore_order,
+)
+from nmtcore.data import vocab as tokenization
 
 IDS = SimpleNamespace(pad_id=0, unk_id=1, bos_id=2, eos_id=3)  # what collate needs from a vocab
 
@@ -291,11 +305,11 @@ def test_data_dir_file_with_wrong_checksum(tmp_path: Path, monkeypatch: pytest.M
         corpus_file(cfg, "train", "de")
 
 
-def test_embedded_multi30k_checksums_match_shared_copy() -> None:
-    d = shared_data_dir() / "multi30k"
-    for name, expected in data.MULTI30K_SHA256.items():
+def test_embedded_multi30k_checksums_match_shared_copy(shared_data: Path) -> None:
+    d = shared_data / "multi30k"
+    for name, expected in corpus.MULTI30K_SHA256.items():
         assert hashlib.sha256((d / name).read_bytes()).hexdigest() == expected, name
-    assert len(data.MULTI30K_SHA256) == 12
+    assert len(corpus.MULTI30K_SHA256) == 12
 
 
 # ------------------------------------------------------------------------------------------- filtering
@@ -510,8 +524,8 @@ def test_encode_split_without_target(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- real data
 @pytest.fixture(scope="module")
-def multi30k(tmp_path_factory: pytest.TempPathFactory) -> data.PreparedData:
-    cfg = DataConfig(corpus="multi30k", data_dir=str(shared_data_dir()), download=False, vocab_size=8000,
+def multi30k(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> data.PreparedData:
+    cfg = DataConfig(corpus="multi30k", data_dir=str(shared_data), download=False, vocab_size=8000,
                      cache_dir=str(tmp_path_factory.mktemp("m30k_cache")),
                      test_splits=("test_2016_flickr", "test_2017_flickr"))
     return prepare_data(cfg)
@@ -523,7 +537,7 @@ def test_multi30k_real(multi30k: data.PreparedData) -> None:
     assert len(m.valid) == 1014 and len(m.tests["test_2016_flickr"]) == 1000
     assert len(m.tests["test_2017_flickr"]) == 1000
     assert len(m.vocab) == 8000
-    assert m.checksums["train.en"] == data.MULTI30K_SHA256["train.en.gz"]
+    assert m.checksums["train.en"] == corpus.MULTI30K_SHA256["train.en.gz"]
     assert m.valid.raw_src[0].startswith("A group of men")
     # every line without unseen characters round-trips exactly
     for sp in m.splits.values():

@@ -12,16 +12,28 @@ import numpy as np
 import pytest
 import torch
 
-from nmtcore.bert import BertLayer, nmt_word_index, prepare_bert_inputs, word_start_table
+from nmtcore.bert import (
+    BertLayer,
+    nmt_word_index,
+    prepare_bert_inputs,
+    word_start_table,
+)
 from nmtcore.checkpoint import save_checkpoint
 from nmtcore.config import BertConfig, ConfigError, DataConfig, ExperimentConfig
-from nmtcore.data import DOC_MARKER, DataError, DocumentIndex, encode_split, load_split, prepare_data
+from nmtcore.config.families import DEFAULT_FIXED_CONTEXT
+from nmtcore.data import (
+    DOC_MARKER,
+    DataError,
+    DocumentIndex,
+    encode_split,
+    load_split,
+    prepare_data,
+)
+from nmtcore.engine import warm_start
 from nmtcore.models import build_model
-from nmtcore.models.doc_context import DEFAULT_FIXED_CONTEXT, DocContext, DocContextSource
-from nmtcore.train import warm_start
-from tests.conftest import BOS, EOS, PAD, SHARED_DATA
-from tests.synthetic import SRC_WORDS, TGT_WORDS
-from tests.test_model_contract import TINY, TINY_BERT, VOCAB, with_inputs
+from nmtcore.models.doc_context import DocContext, DocContextSource
+from nmtcore.testing.synthetic import SRC_WORDS, TGT_WORDS
+from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB, with_inputs
 
 NO_DROPOUT = {**TINY, "dropout": 0.0}
 
@@ -115,8 +127,9 @@ def test_bad_document_files_are_one_line_errors(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_shared_ted_documents_read_as_published():
+def test_shared_ted_documents_read_as_published(shared_data):
     """Maruf et al. (2019) TED dev: 93 documents, 8,967 sentences (PROVENANCE.md), CRLF stripped."""
+    SHARED_DATA = shared_data
     if not (SHARED_DATA / "docnmt-en-de-maruf2019-devtest" / "IWSLT2017").is_dir():
         pytest.skip("shared document corpus not found")
     pt = load_split(DataConfig(corpus="maruf2019_ted", data_dir=str(SHARED_DATA)), "dev")
@@ -327,7 +340,7 @@ def test_a_bert_is_needed_unless_integration_is_none():
 def test_warm_started_document_model_trains_and_decodes(tmp_path):
     """The paper's procedure on a tiny document corpus: a sentence-level baseline, then the document model
     warm-started from its checkpoint (only context attention, gates and BERT fresh; BERT frozen)."""
-    from nmtcore.train import run_experiment
+    from nmtcore.engine import run_experiment
 
     doc_corpus(tmp_path / "data")
     base = {"name": "doc", "output_dir": str(tmp_path / "base"),
@@ -342,7 +355,7 @@ def test_warm_started_document_model_trains_and_decodes(tmp_path):
         "output_dir": str(tmp_path / "doc"), "model.name": "doc_context", "model.bert.name": TINY_BERT["name"],
         "train.init_from": str(tmp_path / "base" / "checkpoints" / "epoch1.pt")})
     summary = run_experiment(cfg)
-    assert summary["warm_start"]["loaded"] == len(baseline()[0].state_dict())
-    assert summary["trainable_parameters"] < summary["parameters"]  # the BERT stays frozen
-    hyps = Path(summary["test"]["test"]["hyp_path"]).read_text(encoding="utf-8").splitlines()
+    assert summary.warm_start.loaded == len(baseline()[0].state_dict())
+    assert summary.trainable_parameters < summary.parameters  # the BERT stays frozen
+    hyps = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
     assert len(hyps) == len(load_split(data_cfg(tmp_path / "data", tmp_path / "cache"), "test"))

@@ -11,12 +11,18 @@ import torch
 
 from nmtcore.bert import BertKD
 from nmtcore.config import ConfigError, TrainConfig
-from nmtcore.data import prepare_data
-from nmtcore.losses import LossOut, check_kd, kd_mse, label_smoothed_nll, training_loss, with_kd
-from nmtcore.models import build_model
-from nmtcore.train import Trainer, run_experiment, setup_torch
-from tests.bert_fixtures import save_tiny_bert
-from tests.synthetic import tiny_experiment
+from nmtcore.engine import build_trainer, run_experiment
+from nmtcore.engine.losses import (
+    LossOut,
+    check_kd,
+    kd_mse,
+    label_smoothed_nll,
+    training_loss,
+    with_kd,
+)
+from nmtcore.models import KDStates, ModelOutput, build_model
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.tiny_bert import save_tiny_bert
 
 
 def test_kd_mse_by_hand() -> None:
@@ -49,16 +55,16 @@ def test_eq5_combination_by_hand() -> None:
 def test_training_loss_selects_kd_by_alpha() -> None:
     g = torch.Generator().manual_seed(0)
     logits, target = torch.randn(2, 4, 11, generator=g), torch.randint(4, 11, (2, 4), generator=g)
-    extras = {"kd_hidden": torch.ones(2, 3, 5), "kd_target": torch.zeros(2, 3, 5),
-              "kd_mask": torch.tensor([[False, False, True], [False, True, True]])}
+    out = ModelOutput(logits=logits, kd=KDStates(student=torch.ones(2, 3, 5), teacher=torch.zeros(2, 3, 5),
+                                                 mask=torch.tensor([[False, False, True], [False, True, True]])))
     plain = label_smoothed_nll(logits, target, 0.1, 0)
-    same = training_loss(logits, extras, target, TrainConfig(label_smoothing=0.1), 0)
+    same = training_loss(out, target, TrainConfig(label_smoothing=0.1), 0)
     assert same.loss.item() == plain.loss.item() and same.kd is None
-    kd = training_loss(logits, extras, target, TrainConfig(label_smoothing=0.1, kd_alpha=0.75), 0)
+    kd = training_loss(out, target, TrainConfig(label_smoothing=0.1, kd_alpha=0.75), 0)
     assert kd.kd.item() == pytest.approx(1.0)
     assert kd.loss.item() == pytest.approx(0.75 * plain.loss.item() + 0.25 * 1.0 * plain.n_tokens)
     with pytest.raises(ConfigError, match="train.kd_alpha: 0.5 < 1 needs a BERT teacher"):
-        training_loss(logits, {}, target, TrainConfig(kd_alpha=0.5), 0)
+        training_loss(ModelOutput(logits=logits), target, TrainConfig(kd_alpha=0.5), 0)
 
 
 @pytest.fixture(scope="module")
@@ -81,37 +87,35 @@ def test_check_kd_needs_teacher_and_alpha(tmp_path, bert_dir) -> None:
 def test_student_state_and_gradients(tmp_path, bert_dir, kd_layer: str, index: int) -> None:
     cfg = tiny_experiment(tmp_path, **{"model.bert.name": str(bert_dir), "model.bert.kd_layer": kd_layer,
                                        "model.encoder_layers": 2, "train.kd_alpha": 0.9})
-    setup_torch(cfg)
-    data = prepare_data(cfg.data)
-    model = build_model(cfg.model, len(data.vocab), 0, 2, 3)
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    model = trainer.model
     assert isinstance(model.kd, BertKD) and model.kd.student_layer == index
-    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
     batch = next(trainer.train_batches(1))
     model.train()
     out = model(batch)
     states = model.run_encoder(batch)
-    torch.testing.assert_close(out.extras["kd_hidden"], model.kd.proj(states[index]))
-    assert out.extras["kd_hidden"].shape[-1] == model.kd.teacher.hidden_size == 64
-    assert out.extras["kd_mask"][batch.src_mask].all()  # padding never distilled
-    lo = training_loss(out.logits, out.extras, batch.tgt_out, cfg.train, 0)
+    torch.testing.assert_close(out.kd.student, model.kd.proj(states[index]))
+    assert out.kd.student.shape[-1] == model.kd.teacher.hidden_size == 64
+    assert out.kd.mask[batch.src_mask].all()  # padding never distilled
+    lo = training_loss(out, batch.tgt_out, cfg.train, 0)
     lo.loss.backward()
     assert model.kd.proj.weight.grad is not None and model.encoder_layers[0].ffn.fc1.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in model.kd.teacher.parameters())  # the teacher stays frozen
     model.eval()
-    assert "kd_hidden" not in model(batch).extras  # validation loss is pure L_NMT
+    assert model(batch).kd is None  # validation loss is pure L_NMT
 
 
 def test_baseline_kd_trains_end_to_end_with_cache(tmp_path, bert_dir, caplog) -> None:
     cfg = tiny_experiment(tmp_path, **{"model.bert.name": str(bert_dir), "train.kd_alpha": 0.9,
                                        "train.max_epochs": 1, "train.num_threads": 1})
-    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         summary = run_experiment(cfg)
     torch.set_num_threads(2)
-    assert summary["epochs"] == 1 and summary["test"]["test"]["bleu"] >= 0
+    assert summary.epochs == 1 and summary.test["test"].bleu >= 0
     assert sum("computed" in r.message for r in caplog.records) == 3  # train, valid, test: once each
     # Resuming (a new process would do the same) reuses every cached feature file.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="nmtcore.bert_cache"):
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         run_experiment(cfg.with_overrides({"train.max_epochs": 2}))
     assert sum("cache hit" in r.message for r in caplog.records) == 3
     assert not any("computed" in r.message for r in caplog.records)

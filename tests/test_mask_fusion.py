@@ -13,13 +13,20 @@ import torch
 
 from nmtcore.bert import pool_to_tokens
 from nmtcore.checkpoint import save_checkpoint
-from nmtcore.config import BertConfig, ConfigError, ExperimentConfig
-from nmtcore.losses import label_smoothed_nll
-from nmtcore.models import MODEL_REGISTRY, build_model
-from nmtcore.models.mask_fusion import ABLATIONS, AdaptiveFusion, LayerFusion, MaskFusionConfig, MaskKnowledge
-from nmtcore.train import parameter_groups, warm_start
-from tests.conftest import BOS, EOS, PAD
-from tests.test_model_contract import TINY, TINY_BERT, VOCAB, with_inputs
+from nmtcore.config import MASK_FUSION_ABLATIONS as ABLATIONS
+from nmtcore.config import (
+    MODEL_CONFIGS,
+    BertConfig,
+    ConfigError,
+    ExperimentConfig,
+    MaskFusionConfig,
+)
+from nmtcore.engine import warm_start
+from nmtcore.engine.losses import label_smoothed_nll
+from nmtcore.engine.phases import parameter_groups
+from nmtcore.models import build_model, model_class
+from nmtcore.models.mask_fusion import AdaptiveFusion, LayerFusion, MaskKnowledge
+from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB, with_inputs
 
 NO_DROPOUT = {**TINY, "dropout": 0.0, "fusion_attention_dropout": 0.0}
 
@@ -168,8 +175,8 @@ def test_mask_matrix_thresholds_eq_3_softmax():
 def test_model_masks_per_theta_and_pools_bert_through_the_alignment(small_batch):
     batch = with_inputs(mf(), small_batch)
     real = ~batch.src_mask
-    assert not mf(mask_threshold=0.0)(batch).extras["knowledge_mask"].any()
-    assert torch.equal(mf(mask_threshold=1.0)(batch).extras["knowledge_mask"], real)
+    assert not mf(mask_threshold=0.0)(batch).knowledge_mask.any()
+    assert torch.equal(mf(mask_threshold=1.0)(batch).knowledge_mask, real)
     model = mf()
     with torch.no_grad():
         bert = model.bert_memory(model.bert(batch))
@@ -218,9 +225,8 @@ def test_ablations_differ_from_m0_only_where_documented(small_batch):
     bert = BertConfig(**TINY_BERT)
     m0_cfg = MaskFusionConfig(bert=bert)
     for name, fields in ABLATIONS.items():
-        cfg_cls, model_cls = MODEL_REGISTRY[name]
-        assert model_cls is MODEL_REGISTRY["mask_fusion"][1]
-        cfg = cfg_cls(bert=bert)
+        cfg = MODEL_CONFIGS[name](bert=bert)
+        assert model_class(cfg) is model_class(m0_cfg)
         diff = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(m0_cfg, f.name)}
         assert diff == {"name", *fields}, name
     models = {name: mf(name) for name in ("mask_fusion", *ABLATIONS)}
@@ -238,7 +244,7 @@ def test_ablations_differ_from_m0_only_where_documented(small_batch):
         missing, unexpected = m2.load_state_dict(m0.state_dict(), strict=False)
         assert not missing and all(k.startswith("knowledge.mask_query.") for k in unexpected) and unexpected
         torch.testing.assert_close(m2(batch).logits, m0(batch).logits, rtol=0, atol=0)
-        assert "knowledge_mask" in m0(batch).extras
+        assert m0(batch).knowledge_mask is not None
         # M3 (no adaptive fusion): the decoder reads E_N, the encoder's top, which M0 fuses with B.
         m3 = models["mask_fusion_m3"]
         m3.load_state_dict(m0.state_dict(), strict=False)

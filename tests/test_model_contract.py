@@ -1,6 +1,6 @@
 """Contract tests every registered model must pass (STYLE: one suite for the whole zoo).
 
-A new model registers a tiny config here; the first test fails if one is missing.
+A new model registers a tiny case in :mod:`nmtcore.testing.zoo`; the first test fails if one is missing.
 """
 
 from __future__ import annotations
@@ -9,65 +9,18 @@ import pytest
 import torch
 
 from nmtcore.checkpoint import load_checkpoint, save_checkpoint
-from nmtcore.config import ExperimentConfig
-from nmtcore.losses import label_smoothed_nll
-from nmtcore.models import MODEL_REGISTRY, build_model
-from tests.conftest import BOS, EOS, PAD, make_batch
-from tests.tiny_bert import add_bert_stream, tiny_bert_dir
-
-VOCAB = 40
-TINY = {"encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "ffn_dim": 64, "heads": 4, "dropout": 0.1}
-# Per-model extra fields for a tiny instance (BERT models add their tiny BERT here).
-TINY_BERT = {"name": tiny_bert_dir()}
-TINY_MODEL_OVERRIDES: dict[str, dict] = {
-    "transformer": {},
-    "transformer_prenorm": {"pre_norm": True},
-    "bert_fused": {"bert": TINY_BERT},
-    "bert_fused_pnet0": {"bert": TINY_BERT, "p_net": 0.0},
-    "bert_fused_finetune": {"bert": {**TINY_BERT, "freeze": False}},
-    "bert_jam": {"bert": TINY_BERT},
-    "bert_jam_m1": {"bert": TINY_BERT},
-    "bert_jam_m2": {"bert": TINY_BERT},
-    "bert_jam_m3": {"bert": TINY_BERT},
-    "bert_jam_dropnet_finetune": {"bert": {**TINY_BERT, "freeze": False}, "decoder_p_net": 1.0},
-    "doc_context": {"bert": TINY_BERT},
-    "doc_context_encoder": {"bert": TINY_BERT, "context_integration": "encoder"},
-    "doc_context_decoder_prenorm": {"bert": TINY_BERT, "context_integration": "decoder", "pre_norm": True},
-    "doc_context_none": {"bert": TINY_BERT, "context_integration": "none"},
-    "mask_fusion": {"bert": TINY_BERT},
-    "mask_fusion_m1": {"bert": TINY_BERT},
-    "mask_fusion_m2": {"bert": TINY_BERT},
-    "mask_fusion_m3": {"bert": TINY_BERT},
-    "mask_fusion_theta1_finetune": {"bert": {**TINY_BERT, "freeze": False}, "mask_threshold": 1.0},
-    # PLM-sponsored: fine-tuned source BERT, the tiny BERT as target BERT too; all losses on / all off.
-    "plm_sponsored": {"bert": {**TINY_BERT, "freeze": False}, "tgt_bert": {**TINY_BERT, "freeze": False}},
-    "plm_sponsored_plain_d48": {"bert": TINY_BERT, "tgt_bert": TINY_BERT, "d_model": 48, "encoder_gate": False,
-                                "kd_teacher": False, "mlm_loss": False, "tgt_lm_loss": False,
-                                "share_embeddings": False},
-}
-CASES = {name: name for name in MODEL_REGISTRY} | {
-    "doc_context_encoder": "doc_context", "doc_context_decoder_prenorm": "doc_context",
-    "doc_context_none": "doc_context",
-    "transformer_prenorm": "transformer", "bert_fused_pnet0": "bert_fused", "bert_fused_finetune": "bert_fused",
-    "bert_jam_dropnet_finetune": "bert_jam",
-    "mask_fusion_theta1_finetune": "mask_fusion",
-    "plm_sponsored_plain_d48": "plm_sponsored"}
+from nmtcore.config import MODEL_CONFIGS
+from nmtcore.engine.losses import label_smoothed_nll
+from nmtcore.models import MODEL_CLASSES, model_class
+from nmtcore.testing.zoo import CASES, PAD, VOCAB, make_batch, tiny_model, with_inputs
 
 
-def tiny_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    name = CASES[case]
-    cfg = ExperimentConfig.from_dict({"model": {"name": name, **TINY, **TINY_MODEL_OVERRIDES[case]}})
-    return build_model(cfg.model, VOCAB, PAD, BOS, EOS)
-
-
-def with_inputs(model, batch):
-    """``batch`` with the BERT stream a BERT-consuming model reads (unchanged for the others)."""
-    return add_bert_stream(batch, PAD) if model.cfg.bert.enabled else batch
-
-
-def test_every_registered_model_has_a_tiny_config():
-    assert set(MODEL_REGISTRY) <= set(TINY_MODEL_OVERRIDES)
+def test_every_registered_model_has_a_tiny_case_and_builds_its_registered_class():
+    assert set(MODEL_CONFIGS) <= {name for name, _ in CASES.values()}
+    for case, (name, _) in CASES.items():
+        model = tiny_model(case)
+        assert type(model.cfg) is MODEL_CONFIGS[name], case
+        assert type(model) is model_class(model.cfg) and type(model) in MODEL_CLASSES.values(), case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from nmtcore.config import ConfigError, ExperimentConfig, PhaseConfig, TrainConfig
+from nmtcore.engine import build_trainer
+from nmtcore.engine.phases import apply_phase, phase_index, phase_start, schedule_length
 from nmtcore.models import build_model
-from nmtcore.train import apply_phase, phase_index, phase_start, schedule_length, Trainer, setup_torch
-from nmtcore.data import prepare_data
-from tests.conftest import BOS, EOS, PAD
-from tests.synthetic import tiny_experiment
-from tests.test_model_contract import TINY, TINY_BERT, VOCAB
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB
 
 
 def jam(name: str = "bert_jam"):
@@ -69,10 +68,7 @@ PHASES = [{"name": "one", "epochs": 1, "trainable": ["nmt"], "glu_scale": 2.0},
 
 
 def make_trainer(cfg):
-    setup_torch(cfg)
-    data = prepare_data(cfg.data)
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    return Trainer(cfg, model, data, (), torch.device("cpu"))
+    return build_trainer(cfg, device=torch.device("cpu"))
 
 
 def test_trainer_switches_phases_resets_optimizer_and_keeps_lr_counter(tmp_path):
@@ -84,7 +80,7 @@ def test_trainer_switches_phases_resets_optimizer_and_keeps_lr_counter(tmp_path)
     trainer.enter_phase(0)
     opt_before = trainer.optimizer
     summary = trainer.fit()
-    assert summary["epochs"] == 3 and summary["stop_reason"] == "end_of_schedule"  # schedule < max_epochs
+    assert summary.epochs == 3 and summary.stop_reason == "end_of_schedule"  # schedule < max_epochs
     assert seen == ["one", "two"]
     assert trainer.optimizer is not opt_before  # rebuilt at the phase change (state reset)
     ups = [h["num_updates"] for h in trainer.state.history]

@@ -13,13 +13,20 @@ import math
 import pytest
 import torch
 
+from nmtcore.bert.mlm import mlm_corrupt
 from nmtcore.config import ConfigError, ExperimentConfig, TrainConfig
-from nmtcore.losses import check_kd, kd_mse, label_smoothed_nll, training_loss
+from nmtcore.engine.losses import check_kd, kd_mse, label_smoothed_nll, training_loss
 from nmtcore.models import build_model
-from nmtcore.models.plm_sponsored import (CoordinatorAttention, build_fwet, fwet_counts, fwet_matrix, fwet_softmax,
-                                          mlm_corrupt, wordpiece_spelling)
-from tests.conftest import BOS, EOS, PAD, make_batch
-from tests.tiny_bert import BERT_HIDDEN, add_bert_stream, tiny_bert_dir
+from nmtcore.models.fwet import (
+    build_fwet,
+    fwet_counts,
+    fwet_matrix,
+    fwet_softmax,
+    wordpiece_spelling,
+)
+from nmtcore.models.plm_sponsored import CoordinatorAttention
+from nmtcore.testing.tiny_bert import BERT_HIDDEN, add_bert_stream, tiny_bert_dir
+from nmtcore.testing.zoo import BOS, EOS, PAD, make_batch
 
 VOCAB = 40
 TINY = {"name": "plm_sponsored", "encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "ffn_dim": 64,
@@ -124,13 +131,13 @@ def _train_mode_without_bert_dropout(model):
 def test_kd_is_zero_when_the_student_is_the_teacher():
     batch = batch_of([[5, 6, 7], [8, 9, 10, 11]], [[12, 13], [14, 15, 16]])
     full = _train_mode_without_bert_dropout(tiny(kd_layer="full"))
-    ex = full(batch).extras
-    assert torch.equal(ex["kd_mask"], batch.extras["bert_mask"])
-    assert kd_mse(ex["kd_hidden"], ex["kd_target"], ex["kd_mask"]).item() == pytest.approx(0.0, abs=1e-10)
+    ex = full(batch)
+    assert torch.equal(ex.kd.mask, batch.extras["bert_mask"])
+    assert kd_mse(ex.kd.student, ex.kd.teacher, ex.kd.mask).item() == pytest.approx(0.0, abs=1e-10)
     # Eq. 4's student is layer M/2: at init it differs from the teacher's last layer.
     half = _train_mode_without_bert_dropout(tiny(kd_layer="half"))
-    ex = half(batch).extras
-    assert kd_mse(ex["kd_hidden"], ex["kd_target"], ex["kd_mask"]).item() > 1e-6  # (a random tiny BERT: small)
+    ex = half(batch)
+    assert kd_mse(ex.kd.student, ex.kd.teacher, ex.kd.mask).item() > 1e-6  # (a random tiny BERT: small)
     assert not any(p.requires_grad for p in half.teacher.parameters())
 
 
@@ -138,7 +145,7 @@ def test_kd_gradients_reach_the_student_only():
     model = _train_mode_without_bert_dropout(tiny(mlm_loss=False, tgt_lm_loss=False))
     batch = batch_of([[5, 6, 7]], [[12, 13]])
     out = model(batch)
-    lo = training_loss(out.logits, out.extras, batch.tgt_out, TrainConfig(kd_alpha=0.0), PAD)
+    lo = training_loss(out, batch.tgt_out, TrainConfig(kd_alpha=0.0), PAD)
     lo.loss.backward()
     half = model.half_layer  # encoder layers above M/2 get no KD gradient; those up to it do
     assert model.bert.bert.encoder.layer[half - 1].attention.self.query.weight.grad.abs().sum() > 0
@@ -149,9 +156,9 @@ def test_alpha_one_without_aux_losses_is_plain_nmt_loss():
     batch = batch_of([[5, 6, 7], [8, 9]], [[12, 13, 14], [15]])
     model = tiny(mlm_loss=False, tgt_lm_loss=False).train()
     out = model(batch)
-    assert {"kd_hidden", "kd_target", "kd_mask"} <= set(out.extras)  # the teacher is there, idle at α = 1
+    assert out.kd is not None  # the teacher is there, idle at α = 1
     plain = label_smoothed_nll(out.logits, batch.tgt_out, 0.1, PAD)
-    lo = training_loss(out.logits, out.extras, batch.tgt_out, TrainConfig(kd_alpha=1.0), PAD)
+    lo = training_loss(out, batch.tgt_out, TrainConfig(kd_alpha=1.0), PAD)
     assert lo.loss.item() == plain.loss.item() and lo.kd is None
 
 
@@ -160,13 +167,13 @@ def test_eq9_adds_mlm_and_lm_to_the_kd_combination():
     batch = batch_of([[5, 6, 7, 8, 9, 10], [8, 9, 11]], [[12, 13, 14, 15, 16, 17, 18, 19], [15, 16]])
     model = tiny(tgt_lm_fraction=1.0).train()
     out = model(batch)
-    ex = out.extras
-    assert ex["mlm_loss"].ndim == 0 and ex["tgt_lm_loss"].ndim == 0 and ex["tgt_lm_loss"].item() > 0
+    ex = out
+    assert ex.mlm_loss.ndim == 0 and ex.target_lm_loss.ndim == 0 and ex.target_lm_loss.item() > 0
     plain = label_smoothed_nll(out.logits, batch.tgt_out, 0.1, PAD)
-    kd = kd_mse(ex["kd_hidden"], ex["kd_target"], ex["kd_mask"])
-    lo = training_loss(out.logits, ex, batch.tgt_out, TrainConfig(kd_alpha=0.9), PAD)
+    kd = kd_mse(ex.kd.student, ex.kd.teacher, ex.kd.mask)
+    lo = training_loss(out, batch.tgt_out, TrainConfig(kd_alpha=0.9), PAD)
     n = plain.n_tokens
-    want = 0.9 * plain.loss + 0.1 * kd * n + (ex["mlm_loss"] + ex["tgt_lm_loss"]) * n  # Eq. 9, per-token means
+    want = 0.9 * plain.loss + 0.1 * kd * n + (ex.mlm_loss + ex.target_lm_loss) * n  # Eq. 9, per-token means
     assert (lo.loss / n).item() == pytest.approx((want / n).item(), rel=1e-6)
     assert lo.nll.item() == plain.nll.item()
     # Eq. 8 by hand: L_T over every target position (fraction 1) from the decoder alone (no source), through
@@ -177,14 +184,14 @@ def test_eq9_adds_mlm_and_lm_to_the_kd_combination():
     with torch.no_grad():
         r_t = model.decoder(batch.tgt_in)
         by_hand = torch.nn.functional.cross_entropy(r_t[keep] @ model.decoder.word.weight.T, batch.tgt_out[keep])
-        got = model(batch).extras["tgt_lm_loss"]
+        got = model(batch).target_lm_loss
     assert got.item() == pytest.approx(by_hand.item(), rel=1e-5)
 
 
 def test_eval_forward_returns_no_training_losses():
     model = tiny().eval()
-    extras = model(batch_of([[5, 6]], [[7]])).extras
-    assert not {"kd_hidden", "mlm_loss", "tgt_lm_loss"} & set(extras)
+    out = model(batch_of([[5, 6]], [[7]]))
+    assert out.kd is None and out.mlm_loss is None and out.target_lm_loss is None
 
 
 def test_check_kd_allows_an_idle_teacher_and_refuses_kd_without_one():
@@ -206,7 +213,7 @@ def test_mlm_corruption_never_touches_specials_and_follows_80_10_10():
     special = torch.zeros_like(ids, dtype=torch.bool)
     special[:, 0] = special[:, -1] = True
     special[:, 40:] = True  # padding
-    out, selected = mlm_corrupt(ids, special, 0.15, mask_id=4, vocab_size=40)
+    out, selected = mlm_corrupt(ids, special, mask_id=4, vocab_size=40, prob=0.15, at_least_one=False)
     assert not (selected & special).any() and torch.equal(out[~selected], ids[~selected])
     frac = selected.float().sum() / (~special).float().sum()
     assert 0.12 < frac < 0.18
@@ -256,8 +263,8 @@ def test_sentencepiece_pieces_in_wordpiece_spelling():
 
 def test_build_fwet_is_cached_and_initialises_the_decoder(tmp_path, monkeypatch):
     from nmtcore.config import BertConfig
-    from nmtcore.models import plm_sponsored
-    from nmtcore.tokenization import SubwordVocab
+    from nmtcore.data import SubwordVocab
+    from nmtcore.models import fwet
 
     lines = ["two dogs run !", "the man is a dog", "a dog run", "the dogs run ?"] * 10
     text = tmp_path / "train.txt"
@@ -265,8 +272,8 @@ def test_build_fwet_is_cached_and_initialises_the_decoder(tmp_path, monkeypatch)
     vocab = SubwordVocab.train_or_load([text], 40, tmp_path / "vocab")
     bert = BertConfig(name=tiny_bert_dir())
     calls = []
-    real = plm_sponsored.fwet_from_corpus
-    monkeypatch.setattr(plm_sponsored, "fwet_from_corpus", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fwet.fwet_from_corpus
+    monkeypatch.setattr(fwet, "fwet_from_corpus", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = build_fwet(vocab, bert, lines, tmp_path / "cache")
     assert build_fwet(vocab, bert, lines, tmp_path / "cache") == path and len(calls) == 1
     payload = torch.load(path, weights_only=True)
@@ -279,7 +286,7 @@ def test_build_fwet_is_cached_and_initialises_the_decoder(tmp_path, monkeypatch)
     dogs_nmt = vocab.sp.piece_to_id("\u2581dogs")
     assert dogs_nmt != vocab.sp.unk_id() and len(vocab) == VOCAB
     dogs_plm = 5 + ["zwei", "hunde", ",", "1", "000", "don", "##au", "##dampf", "##schiff", "##e", "lauf", "##en",
-                    ".", "two", "dogs"].index("dogs")  # tests.bert_fixtures.WORDPIECES after the 5 specials
+                    ".", "two", "dogs"].index("dogs")  # nmtcore.testing.tiny_bert.WORDPIECES after the 5 specials
     torch.testing.assert_close(table[dogs_nmt], plm[dogs_plm].detach(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(table[vocab.bos_id], plm[2].detach())  # bos = [CLS]
     model = tiny(fwet=str(path))
@@ -296,31 +303,27 @@ def test_build_fwet_is_cached_and_initialises_the_decoder(tmp_path, monkeypatch)
 def test_trains_and_decodes_through_the_platform(tmp_path):
     """The model-agnostic trainer runs Eq. 9 (KD + MLM + L_T through training_loss) with an FWET table
     built from the training targets; beam search decodes with the cached decoder."""
-    from nmtcore.beam_search import beam_search
     from nmtcore.config import DecodeConfig
-    from nmtcore.data import prepare_data
-    from nmtcore.models import prepare_model_resources
-    from nmtcore.models.plm_sponsored import prepare_fwet
-    from nmtcore.train import Trainer, setup_torch
-    from tests.synthetic import tiny_experiment
+    from nmtcore.decoding.beam_search import beam_search
+    from nmtcore.engine import build_trainer, setup_torch
+    from nmtcore.models.fwet import prepare_fwet
+    from nmtcore.testing.synthetic import tiny_experiment
 
     cfg = tiny_experiment(tmp_path, **{"model.name": "plm_sponsored", "model.bert.name": tiny_bert_dir(),
                                        "model.bert.freeze": False, "model.tgt_bert.name": tiny_bert_dir(),
                                        "model.d_model": 32, "model.ffn_dim": 64, "train.kd_alpha": 0.9,
                                        "train.num_threads": 1})
     setup_torch(cfg)
-    data = prepare_data(cfg.data)
-    cfg = prepare_model_resources(cfg, data)  # what run_experiment does: target BERT ready, FWET built
+    trainer = build_trainer(cfg, device=torch.device("cpu"))  # target BERT ready, FWET built (prepare)
+    cfg, data, model = trainer.cfg, trainer.data, trainer.model
     assert cfg.model.fwet and prepare_fwet(cfg, data) is cfg
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    trainer = Trainer(cfg, model, data, device=torch.device("cpu"))
     batches = trainer.train_batches(1)
     stats = [trainer.train_step([next(batches)]) for _ in range(3)]
     torch.set_num_threads(2)
     assert all(math.isfinite(s["loss_sum"]) for s in stats)
     batch = trainer.collate(data.splits["valid"], list(range(4)))
-    extras = model.train()(batch).extras  # a real batch's WordPiece stream feeds KD and MLM
-    assert {"kd_hidden", "kd_target", "mlm_loss", "tgt_lm_loss"} <= set(extras)
-    assert extras["kd_hidden"].shape == extras["kd_target"].shape and torch.isfinite(extras["mlm_loss"])
+    out = model.train()(batch)  # a real batch's WordPiece stream feeds KD and MLM
+    assert out.kd is not None and out.mlm_loss is not None and out.target_lm_loss is not None
+    assert out.kd.student.shape == out.kd.teacher.shape and torch.isfinite(out.mlm_loss)
     hyps = beam_search(model, batch, DecodeConfig(beam=3))
     assert len(hyps) == 4 and all(len(h) >= 1 for h in hyps)

@@ -1,5 +1,5 @@
-"""Sweep reports from MLflow alone: a hand-made sweep (parent + child runs as nmtcore.sweep leaves them)
-in a temporary store gives the paper-style table, p-values, the L x H heatmap and the warnings."""
+"""Sweep reports from MLflow alone: a hand-made sweep (parent + child runs as nmtcore.sweep leaves them) in a
+temporary store gives the control-first table, Δ / interval / p-values, the L x H heatmap and the warnings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from nmtcore import report, tracking
+from nmtcore import tracking
+from nmtcore.sweep import lifecycle, report, results
 
 SPLIT, LANG = "test", "de"
 REFS = [f"der hund {i} sieht die katze {i % 7}" for i in range(60)]
@@ -20,81 +21,117 @@ def hyps(quality: float, seed: int) -> list[str]:
     return [r if rng.random() < quality else "ein haus steht" for r in REFS]
 
 
+def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete"):
+    """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses."""
+    key = label.replace(" ", "_")
+    tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
+            "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
+            lifecycle.ARM_TAG: label, lifecycle.CONTROL_TAG: str(control).lower()}
+    tags.update({f"varied.{k}": v for k, v in (values or {}).items()})
+    run = parent.child(run_name=f"{label} seed {seed}", tags=tags)
+    run.log_params({"data.tgt_lang": LANG, "model.bert.name": "" if control else "minilm"})
+    h = quality if isinstance(quality, list) else hyps(quality, seed)
+    from nmtcore.bleu import corpus_bleu, corpus_chrf
+
+    same_as = {"layers=4, hidden=128": 0.5}.get(label, quality if isinstance(quality, float) else 0.4)
+    for epoch in (1, 2):
+        run.log_metrics({"valid_loss": 5.0 - epoch * same_as + seed, "valid_bleu": epoch}, step=epoch)
+    if state != "complete":
+        run.set_tags({lifecycle.TRIAL_STATE_TAG: state, **({tracking.FAILURE_REASON_TAG: "NonFiniteLossError: "
+                                                            "non-finite training loss (nan) at update 7"}
+                                                           if state == "failed" else {})})
+        run.end("FAILED" if state == "failed" else "FINISHED")
+        return
+    run.log_metrics({f"test/{SPLIT}/bleu": corpus_bleu(h, REFS).score, f"test/{SPLIT}/chrf": corpus_chrf(h, REFS).score,
+                     "cost/parameters": 2e6, "cost/wall_s": 120.0, "cost/cpu_s": 200.0,
+                     "cost/train_tokens_per_s": 1000.0, "final/num_updates": 50.0}, step=2)
+    hyp_file = tmp / f"{SPLIT}.{LANG}"
+    hyp_file.write_text("\n".join(h) + "\n")
+    run.log_artifact(hyp_file, "hypotheses")
+    run.log_text("\n".join(REFS) + "\n", f"references/{SPLIT}.{LANG}")
+    run.set_tags({lifecycle.TRIAL_STATE_TAG: "complete"})
+    run.end("FINISHED")
+
+
 @pytest.fixture(scope="module")
 def sweep_store(tmp_path_factory):
-    """A 2 x 2 (layers x hidden) grid with 2 seeds, as a sweep leaves it; (4, 256) was stopped early by
-    ASHA in seed 2, (4, 128) failed once, (2, 256) and (4, 128) trained identically in seed 1."""
+    """A control plus a 2 x 2 (layers x hidden) grid with 2 seeds, as a sweep leaves it: (4, 256) was stopped
+    early by ASHA in seed 2, (4, 128) failed once, (2, 256) and (4, 128) trained identically in seed 1."""
     tmp = tmp_path_factory.mktemp("report")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    space = {"metric": "valid_bleu", "baseline": None, "description": "toy size grid",
+    space = {"metric": "valid_bleu", "reference": None, "description": "toy size grid",
              "plot": {"kind": "heatmap", "rows": "model.bert.layers", "cols": "model.bert.hidden"}}
     parent = tracking.Tracker(uri, experiment="sweeps", run_name="toy", tags={
-        tracking.SWEEP_TAG: "toy", tracking.ROLE_TAG: "sweep", "nmtcore.study": "bert_size_grid",
-        "nmtcore.varied_keys": "model.bert.layers,model.bert.hidden", "nmtcore.test_split": SPLIT,
-        "nmtcore.space_json": json.dumps(space)})
+        lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "sweep", "nmtcore.study": "bert_size_grid",
+        "nmtcore.varied_keys": "model.bert.layers,model.bert.hidden", "nmtcore.test_splits": SPLIT,
+        "nmtcore.space_json": json.dumps(space), "nmtcore.protocol": "arms warm-started; control arm: yes"})
     quality = {(2, 128): 0.3, (2, 256): 0.5, (4, 128): 0.7, (4, 256): 0.9}
     index = 0
-    hyp_file = tmp / f"{SPLIT}.{LANG}"
     for seed in (1, 2):
+        add_trial(parent, tmp, seed, index, "control", 0.3, control=True)
+        index += 1
         for (layers, hidden), q in quality.items():
-            key = f"{layers}-{hidden}"
-            run = parent.child(run_name=f"layers={layers} hidden={hidden} seed={seed}", tags={
-                tracking.SWEEP_TAG: "toy", tracking.ROLE_TAG: "trial", tracking.TRIAL_KEY_TAG: f"{key}-{seed}",
-                "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
-                "varied.model.bert.layers": layers, "varied.model.bert.hidden": hidden})
+            state = ("stopped_early" if (layers, hidden, seed) == (4, 256, 2) else
+                     "failed" if (layers, hidden, seed) == (4, 128, 2) else "complete")
+            add_trial(parent, tmp, seed, index, f"layers={layers}, hidden={hidden}", q,
+                      {"model.bert.layers": layers, "model.bert.hidden": hidden}, state=state)
             index += 1
-            run.log_params({"data.tgt_lang": LANG})
-            same = (2, 256) if (layers, hidden) == (4, 128) else (layers, hidden)
-            for epoch in (1, 2):
-                run.log_metrics({"valid_loss": 5.0 - epoch * quality[same] + seed, "valid_bleu": 10 * q + epoch},
-                                step=epoch)
-            if (layers, hidden) == (4, 256) and seed == 2:
-                run.set_tags({tracking.TRIAL_STATE_TAG: "stopped_early"})
-                run.end("FINISHED")
-                continue
-            if (layers, hidden) == (4, 128) and seed == 2:
-                run.set_tags({tracking.TRIAL_STATE_TAG: "failed", tracking.FAILURE_REASON_TAG:
-                              "NonFiniteLossError: non-finite training loss (nan) at update 7"})
-                run.end("FAILED")
-                continue
-            h = hyps(q, seed)
-            from nmtcore.bleu import corpus_bleu, corpus_chrf
-
-            run.log_metrics({f"test/{SPLIT}/bleu": corpus_bleu(h, REFS).score,
-                             f"test/{SPLIT}/chrf": corpus_chrf(h, REFS).score,
-                             "cost/parameters": 1e6 * layers * hidden / 128, "cost/wall_s": 60.0 * layers,
-                             "cost/cpu_s": 100.0 * layers, "cost/train_tokens_per_s": 1000.0 / layers}, step=2)
-            hyp_file.write_text("\n".join(h) + "\n")
-            run.log_artifact(hyp_file, "hypotheses")
-            run.log_text("\n".join(REFS) + "\n", f"references/{SPLIT}.{LANG}")
-            run.set_tags({tracking.TRIAL_STATE_TAG: "complete"})
-            run.end("FINISHED")
     parent.end()
     return uri, parent.run_id
 
 
-def test_table_means_stds_p_values_and_statuses(sweep_store):
+def test_control_first_then_deltas_intervals_p_values_and_statuses(sweep_store):
     uri, parent_id = sweep_store
-    rep = report.build_report("toy", uri, n_bootstrap=300)
+    rep = results.build_report("toy", uri, n_bootstrap=300)
     assert rep.parent_run_id == parent_id and rep.study == "bert_size_grid"
-    assert [g.label for g in rep.groups] == ["layers=2, hidden=128", "layers=2, hidden=256",
+    assert [g.label for g in rep.groups] == ["control", "layers=2, hidden=128", "layers=2, hidden=256",
                                              "layers=4, hidden=128", "layers=4, hidden=256"]
-    base, _, failed, stopped = rep.groups
-    assert rep.baseline is base and len(base.test_bleu) == 2 and base.p_value is None
-    assert failed.status == {"complete": 1, "failed": 1} and len(failed.test_bleu) == 1
+    control, same, _, failed, stopped = rep.groups
+    assert rep.reference is control and control.control and len(control.bleu[SPLIT]) == 2
+    assert failed.status == {"complete": 1, "failed": 1} and len(failed.bleu[SPLIT]) == 1
     assert stopped.status == {"complete": 1, "stopped_early": 1}
-    # Much better hypotheses than the baseline: a clear, significant gain.
-    assert stopped.delta_bleu > 10 and stopped.p_value < 0.05 and stopped.pooled_seeds == 1
+    c = stopped.comparisons[SPLIT]  # much better hypotheses than the control: a clear, significant gain
+    assert c.delta > 10 and c.p < 0.05 and c.pooled_seeds == 1 and c.significant and c.ci_low > 0
+    c = same.comparisons[SPLIT]  # the control's own hypothesis quality, the same seeds: no difference at all
+    assert c.delta == 0 and c.p == 1.0 and (c.ci_low, c.ci_high) == (0.0, 0.0) and not c.significant
+    assert c.p_seeds == 1.0  # two seeds: the test across seeds
     rows = report.table_rows(rep)
-    assert rows[0]["p"] == "base" and " ± " in rows[0]["test BLEU"]
-    assert rows[3]["trials"] == "1 complete, 1 stopped_early"
-    assert rows[2]["params (M)"] == "4.00"
+    assert rows[0]["arm"] == "control" and rows[0]["p"] == "ref" and " ± " in rows[0]["BLEU"]
+    assert rows[4]["trials"] == "1 complete, 1 stopped_early"
+    assert rows[3]["params (M)"] == "2.00" and rows[1]["BERT"] == "minilm" and rows[0]["BERT"] == "—"
     assert any("NonFiniteLossError" in w for w in rep.warnings)
+    js = report.json_rows(rep)
+    assert {"arm", "n_seeds", "bleu_mean", "bleu_sd", "delta", "ci_low", "ci_high", "p", "test_set"} <= set(js[0])
+    assert js[0]["arm"] == "control" and js[0]["delta"] == 0.0 and js[0]["n_seeds"] == 2
+
+
+def test_p_value_and_interval_on_a_known_difference(tmp_path):
+    """A constructed pair: B is A with exactly 15 of 60 segments corrected. The report's Δ is the corpus BLEU
+    difference sacreBLEU gives directly; the interval contains it and excludes 0; p < 0.05. An identical B
+    gives p = 1 and the interval [0, 0]."""
+    from nmtcore.bleu import corpus_bleu
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="known", tags={
+        lifecycle.SWEEP_TAG: "known", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    a = ["ein haus steht"] * 45 + REFS[45:]
+    b = list(REFS[:15]) + ["ein haus steht"] * 30 + REFS[45:]
+    add_trial(parent, tmp_path, 1, 0, "control", a, control=True)
+    add_trial(parent, tmp_path, 1, 1, "fixed", b, {"arm": "fixed"})
+    add_trial(parent, tmp_path, 1, 2, "same", list(a), {"arm": "same"})
+    parent.end()
+    rep = results.build_report("known", uri, n_bootstrap=1000)
+    fixed, same = rep.groups[1].comparisons[SPLIT], rep.groups[2].comparisons[SPLIT]
+    want = corpus_bleu(b, REFS).score - corpus_bleu(a, REFS).score
+    assert fixed.delta == pytest.approx(want) and want > 5
+    assert fixed.ci_low < want < fixed.ci_high and fixed.ci_low > 0 and fixed.p < 0.05
+    assert same.delta == 0 and same.p == 1.0 and (same.ci_low, same.ci_high) == (0.0, 0.0)
 
 
 def test_identical_training_is_flagged(sweep_store):
     uri, _ = sweep_store
-    rep = report.build_report("toy", uri, n_bootstrap=0)
+    rep = results.build_report("toy", uri, n_bootstrap=0)
     assert any("layers=2, hidden=256 and layers=4, hidden=128 trained identically" in w for w in rep.warnings)
 
 
@@ -102,10 +139,11 @@ def test_report_files_heatmap_and_mlflow_artifacts(sweep_store, tmp_path):
     uri, parent_id = sweep_store
     files = report.make_report(parent_id, uri, tmp_path / "out", log=True, n_bootstrap=100)
     names = {f.name for f in files}
-    assert {"table.md", "table.csv", "report.json", "heatmap.png", "bleu_vs_cost.png"} <= names
+    assert {"table.md", "table.csv", "table.json", "report.json", "heatmap.png", "bleu_vs_cost.png"} <= names
     assert (tmp_path / "out" / "heatmap.png").stat().st_size > 5000
     md = (tmp_path / "out" / "table.md").read_text()
-    assert md.startswith("### toy: toy size grid") and "| layers | hidden | test BLEU |" in md
+    assert md.startswith("### toy: toy size grid") and "| arm | layers | hidden | seeds | BLEU |" in md
+    assert json.loads((tmp_path / "out" / "table.json").read_text())[0]["arm"] == "control"
     assert {"report/table.md", "report/heatmap.png"} <= set(tracking.list_artifacts(parent_id, uri))
     assert tracking.get_run(parent_id, uri).status == "FINISHED"  # logging a report does not reopen the run
 
@@ -113,7 +151,7 @@ def test_report_files_heatmap_and_mlflow_artifacts(sweep_store, tmp_path):
 def test_unknown_sweep_is_a_one_line_error(sweep_store):
     uri, _ = sweep_store
     with pytest.raises(tracking.TrackingError, match="no sweep named 'nope'"):
-        report.build_report("nope", uri)
+        results.build_report("nope", uri)
 
 
 def test_report_command_line(sweep_store, tmp_path):
@@ -125,7 +163,7 @@ def test_report_command_line(sweep_store, tmp_path):
                         "--out", str(tmp_path / "cli"), "--bootstrap", "50", "--no-log"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "| layers | hidden | test BLEU |" in r.stdout and (tmp_path / "cli" / "heatmap.png").is_file()
+    assert "| arm | layers | hidden | seeds | BLEU |" in r.stdout and (tmp_path / "cli" / "heatmap.png").is_file()
     r = subprocess.run([sys.executable, "-m", "nmtcore.cli", "report", "--sweep", "nope", "--tracking-uri", uri],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == f"nmtcore: error: no sweep named 'nope' in {uri}"

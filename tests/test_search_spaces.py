@@ -6,9 +6,17 @@ from __future__ import annotations
 import pytest
 
 import search_spaces
-from nmtcore.config import ConfigError, preset
-from nmtcore.models import MODEL_REGISTRY
-from search_spaces import SearchSpace, SpaceError, choice, grid, integer, loguniform, steps, uniform
+from nmtcore.config import MODEL_CONFIGS, ConfigError, preset
+from search_spaces import (
+    SearchSpace,
+    SpaceError,
+    choice,
+    grid,
+    integer,
+    loguniform,
+    steps,
+    uniform,
+)
 
 SPACES = search_spaces.all_spaces()
 
@@ -21,62 +29,62 @@ def _base():
 
 def _skip_unregistered(space: SearchSpace) -> None:
     models = {space.model} | {arm["model.name"] for arm in space.arms.values() if "model.name" in arm}
-    missing = sorted(m for m in models if m is not None and m not in MODEL_REGISTRY)
+    missing = sorted(m for m in models if m is not None and m not in MODEL_CONFIGS)
     if missing:
         pytest.skip(f"{space.name}: model(s) {', '.join(missing)} not registered yet "
-                    f"(registered: {', '.join(sorted(MODEL_REGISTRY))})")
+                    f"(registered: {', '.join(sorted(MODEL_CONFIGS))})")
 
 
 @pytest.mark.parametrize("space", SPACES, ids=[s.name for s in SPACES])
 def test_every_key_maps_to_a_real_config_field(space):
     """For every registered model: each key a space may set (params, fixed, arm overrides) exists in the
     model's config, and every grid value / range end / arm builds a valid experiment config."""
-    from nmtcore import sweep
+    from nmtcore.sweep import plan
 
     _skip_unregistered(space)
     base = _base()
     for point in space.example_points():
-        overrides = sweep.trial_overrides(space, point, base_seed=1)
-        cfg = sweep.apply_overrides(base, overrides)  # raises ConfigError on an unknown key or a bad value
+        overrides = plan.trial_overrides(space, point, base_seed=1)
+        cfg = (base).with_overrides(overrides)  # raises ConfigError on an unknown key or a bad value
         flat = cfg.flat()
         for key, value in overrides.items():
             assert key in flat, f"{space.name}: {key} is not a config field"
             assert flat[key] == (list(value) if isinstance(value, tuple) else value), (space.name, key)
-    sweep.validate_space(space, base)
+    plan.validate_space(space, base)
 
 
 def test_unregistered_models_are_reported_not_crashed():
     """A space naming a model that is not registered fails with one clear line, before Ray starts."""
-    from nmtcore import sweep
+    from nmtcore.sweep import plan
 
     space = SearchSpace("t", "v", "bert_jam_not_there", params={"model.d_model": grid((128, 256))})
     with pytest.raises(SpaceError) as e:
-        sweep.validate_space(space, _base())
+        plan.validate_space(space, _base())
     assert str(e.value) == (f"model 'bert_jam_not_there' is not registered "
-                            f"(registered: {', '.join(sorted(MODEL_REGISTRY))})")
+                            f"(registered: {', '.join(sorted(MODEL_CONFIGS))})")
 
 
 def test_unknown_key_fails_up_front_naming_it():
-    from nmtcore import sweep
+    from nmtcore.sweep import plan
 
     space = SearchSpace("t", "v", "transformer", params={"model.d_modle": grid((128, 256))})
     with pytest.raises(SpaceError, match=r"t:v: model.d_modle: unknown key"):
-        sweep.validate_space(space, _base())
+        plan.validate_space(space, _base())
     bad_value = SearchSpace("t", "v", "transformer", params={"model.dropout": uniform(0.0, 1.5)})
     with pytest.raises(SpaceError, match=r"model.dropout: must be in \[0, 1\]"):
-        sweep.validate_space(bad_value, _base())
+        plan.validate_space(bad_value, _base())
 
 
 def test_two_samples_give_two_trainer_configs():
     """The known failure elsewhere: sampled values never reached the trainer, so every trial trained the
     same. Here each distinct point yields a trainer config that differs exactly in the varied keys."""
-    from nmtcore import sweep
+    from nmtcore.sweep import plan
 
     base = _base()
     space = search_spaces.get_space("transformer_grid:demo")
     a, b = space.grid_points()[0], space.grid_points()[-1]
-    cfg_a = sweep.trial_config(base, sweep.trial_overrides(space, a, 1), "/tmp/a")
-    cfg_b = sweep.trial_config(base, sweep.trial_overrides(space, b, 1), "/tmp/b")
+    cfg_a = plan.trial_config(base, plan.trial_overrides(space, a, 1), "/tmp/a")
+    cfg_b = plan.trial_config(base, plan.trial_overrides(space, b, 1), "/tmp/b")
     diff = {k for k, v in cfg_a.flat().items() if cfg_b.flat()[k] != v}
     assert diff == {"model.d_model", "train.lr", "output_dir"}
     assert (cfg_a.model.d_model, cfg_a.train.lr) == (a["model.d_model"], a["train.lr"])
@@ -85,26 +93,25 @@ def test_two_samples_give_two_trainer_configs():
 
 def test_a_study_model_keeps_the_base_sizes():
     """Switching model.name for a study keeps every base model field the new config also has."""
-    from nmtcore import sweep
 
     base = preset("multi30k_small")
-    if "bert_fused" not in MODEL_REGISTRY:
+    if "bert_fused" not in MODEL_CONFIGS:
         pytest.skip("bert_fused is not registered yet")
-    cfg = sweep.apply_overrides(base, {"model.name": "bert_fused", "model.bert.name": "minilm", "model.p_net": 0.5})
+    cfg = (base).with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm", "model.p_net": 0.5})
     assert (cfg.model.name, cfg.model.d_model, cfg.model.encoder_layers) == ("bert_fused", 256, 3)
     assert cfg.model.p_net == 0.5
     with pytest.raises(ConfigError, match="model.p_nett: unknown key"):
-        sweep.apply_overrides(base, {"model.name": "bert_fused", "model.bert.name": "minilm", "model.p_nett": 0.5})
+        (base).with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm", "model.p_nett": 0.5})
 
 
 def test_seeds_are_one_more_dimension_and_never_collapse_trials():
-    from nmtcore import sweep
+    from nmtcore.sweep import plan
 
     space = search_spaces.get_space("transformer_grid:demo")
-    keys = {sweep.trial_key(sweep.trial_overrides(space, {**p, "train.seed": s}, 1))
+    keys = {plan.trial_key(plan.trial_overrides(space, {**p, "train.seed": s}, 1))
             for p in space.grid_points() for s in (1, 2)}
     assert len(keys) == 8
-    same_config = {sweep.config_key(sweep.trial_overrides(space, {**space.grid_points()[0], "train.seed": s}, 1))
+    same_config = {plan.config_key(plan.trial_overrides(space, {**space.grid_points()[0], "train.seed": s}, 1))
                    for s in (1, 2, 3)}
     assert len(same_config) == 1
 
@@ -121,8 +128,8 @@ def test_paper_grids_and_spec_validation():
         SearchSpace("t", "v", None, params={"a.b": grid((1, 2)), "c.d": uniform(0, 1)})
     with pytest.raises(SpaceError, match="both varied and fixed"):
         SearchSpace("t", "v", None, params={"a.b": grid((1, 2))}, fixed={"a.b": 1})
-    with pytest.raises(SpaceError, match="baseline arm"):
-        SearchSpace("t", "v", None, arms={"x": {}}, baseline="y")
+    with pytest.raises(SpaceError, match="reference arm"):
+        SearchSpace("t", "v", None, arms={"x": {}}, reference="y")
     with pytest.raises(SpaceError, match="unknown study"):
         search_spaces.get_space("nope")
     with pytest.raises(SpaceError, match="no variant"):

@@ -5,53 +5,15 @@ completes."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
-os.environ["RAY_AUTH_MODE"] = "disabled"
-
-import search_spaces  # noqa: E402
-from nmtcore import sweep, tracking  # noqa: E402
-from nmtcore.train import Callback  # noqa: E402
-from search_spaces import SearchSpace, grid, loguniform, uniform  # noqa: E402
-from tests.synthetic import tiny_experiment  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster (2 CPUs, no dashboard) for the module, its session files cleaned after."""
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are length-limited
-    sweep.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
-    yield
-    sweep.shutdown_ray()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """A sqlite MLflow store whose schema exists (created once, before parallel trials open it)."""
-    uri = "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
-    tracking.Tracker(uri, experiment="warmup").end()
-    return uri
-
-
-def tiny(tmp: Path, **overrides):
-    return tiny_experiment(tmp, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1,
-                                   **overrides})
-
-
-def settings(tmp: Path, name: str, uri: str, **kw) -> sweep.SweepSettings:
-    return sweep.SweepSettings(name=name, storage=str(tmp / "ray_results"), tracking_uri=uri, verbose=0,
-                               report_dir=str(tmp / "report"), experiment=name, **kw)
-
-
-def runs_of(name: str, uri: str):
-    runs = tracking.load_runs(name, uri)
-    return [r for r in runs if r.parent_run_id is None], [r for r in runs if r.parent_run_id is not None]
+import search_spaces
+from nmtcore import tracking
+from nmtcore.engine import Callback
+from nmtcore.sweep import driver, lifecycle, plan, ray_backend
+from nmtcore.sweep import settings as sweep_settings
+from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
+from search_spaces import SearchSpace, grid, loguniform, uniform
 
 
 # ------------------------------------------------------------------------------- adapter construction
@@ -60,15 +22,21 @@ def test_grid_spaces_use_the_grid_and_fifo_and_seeds_are_a_dimension():
     from ray.tune.search import BasicVariantGenerator
 
     space = search_spaces.get_space("transformer_grid:demo")
-    s = sweep.SweepSettings(name="x", storage="/tmp", seeds=3)
-    grid_alg = sweep.search_algorithm(space, s, max_concurrent=2)
+    s = sweep_settings.SweepSettings(name="x", storage="/tmp", seeds=3)
+    grid_alg = ray_backend.search_algorithm(space, s, max_concurrent=2)
     assert isinstance(grid_alg, BasicVariantGenerator) and grid_alg.max_concurrent == 2
-    assert isinstance(sweep.scheduler(space, s, max_epochs=10), FIFOScheduler)
-    pspace = sweep.param_space(space, seeds=3, base_seed=7)
+    assert isinstance(ray_backend.scheduler(space, s, max_epochs=10), FIFOScheduler)
+    pspace = ray_backend.param_space(space, seeds=3, base_seed=7)
     assert pspace["train.seed"] == {"grid_search": [7, 8, 9]}
-    assert pspace["model.d_model"] == {"grid_search": [128, 256]}
-    assert sweep.num_samples(space, s) == 1
-    assert len(sweep.preview_samples(space, 100, seeds=3, base_seed=7)) == 12  # 2 x 2 x 3 seeds
+    assert pspace["cell"] == {"grid_search": [0, 1, 2, 3]}  # the grid's 2 x 2 points, enumerated as cells
+    assert [c.point for c in space.cells()] == space.grid_points()
+    assert ray_backend.num_samples(space, s) == 1
+    assert len(ray_backend.preview_samples(space, 100, seeds=3, base_seed=7)) == 12  # 2 x 2 x 3 seeds
+    # A study with a control: the control is one more cell, first, and it is never stopped early.
+    protocol_space = search_spaces.get_space("drop_net:grid")
+    assert ray_backend.param_space(protocol_space, 1, 1) == {"cell": {"grid_search": [0, 1, 2, 3, 4, 5]}}
+    asha = sweep_settings.SweepSettings(name="x", storage="/tmp", early_stopping=True)
+    assert isinstance(ray_backend.scheduler(protocol_space, asha, max_epochs=10), FIFOScheduler)
 
 
 def test_sampled_spaces_use_seeded_optuna_tpe_with_asha_and_repeats_for_seeds():
@@ -77,57 +45,59 @@ def test_sampled_spaces_use_seeded_optuna_tpe_with_asha_and_repeats_for_seeds():
     from ray.tune.search.optuna import OptunaSearch
 
     space = search_spaces.get_space("transformer_grid:optuna")
-    one = sweep.search_algorithm(space, sweep.SweepSettings(name="x", storage="/tmp", optuna_seed=3))
+    one = ray_backend.search_algorithm(space, sweep_settings.SweepSettings(name="x", storage="/tmp", optuna_seed=3))
     assert isinstance(one, OptunaSearch) and one._sampler.__class__.__name__ == "TPESampler"
-    rep = sweep.search_algorithm(space, sweep.SweepSettings(name="x", storage="/tmp", seeds=2))
+    rep = ray_backend.search_algorithm(space, sweep_settings.SweepSettings(name="x", storage="/tmp", seeds=2))
     assert isinstance(rep, Repeater) and rep.repeat == 2
-    asha = sweep.scheduler(space, sweep.SweepSettings(name="x", storage="/tmp", grace_period=2), max_epochs=8)
+    asha = ray_backend.scheduler(space, sweep_settings.SweepSettings(name="x", storage="/tmp", grace_period=2), max_epochs=8)
     assert isinstance(asha, ASHAScheduler) and asha._time_attr == "epoch" and asha._max_t == 8
     assert not asha._stop_last_trials  # a trial that reached the last epoch still decodes its test set
-    off = sweep.scheduler(space, sweep.SweepSettings(name="x", storage="/tmp", early_stopping=False), max_epochs=8)
+    off = ray_backend.scheduler(space, sweep_settings.SweepSettings(name="x", storage="/tmp", early_stopping=False), max_epochs=8)
     assert not isinstance(off, ASHAScheduler)
-    assert sweep.num_samples(space, sweep.SweepSettings(name="x", storage="/tmp", seeds=2)) == 16
+    assert ray_backend.num_samples(space, sweep_settings.SweepSettings(name="x", storage="/tmp", seeds=2)) == 16
     # Seeded: the same suggestions twice; different from another seed.
-    a = sweep.preview_samples(space, 3, optuna_seed=0)
-    assert a == sweep.preview_samples(space, 3, optuna_seed=0)
-    assert a != sweep.preview_samples(space, 3, optuna_seed=1)
+    a = ray_backend.preview_samples(space, 3, optuna_seed=0)
+    assert a == ray_backend.preview_samples(space, 3, optuna_seed=0)
+    assert a != ray_backend.preview_samples(space, 3, optuna_seed=1)
 
 
 def test_samples_reach_the_trainer_config(tmp_path):
     """Two samples drawn by the sweep's own search algorithm give two trainer configs that carry them."""
-    base = tiny(tmp_path)
+    base = tiny_base(tmp_path)
     for space in (SearchSpace("t", "grid", "transformer", params={"model.d_model": grid((32, 64))}),
                   SearchSpace("t", "tpe", "transformer", params={"train.lr": loguniform(1e-4, 1e-2),
                                                                  "model.dropout": uniform(0.0, 0.3)})):
-        samples = sweep.preview_samples(space, 2, seeds=2 if space.sampled else 1)
-        cfgs = [sweep.trial_config(base, sweep.trial_overrides(space, s, base.train.seed), tmp_path / str(i))
+        samples = ray_backend.preview_samples(space, 2, seeds=2 if space.sampled else 1)
+        cfgs = [plan.trial_config(base, plan.trial_overrides(space, s, base.train.seed), tmp_path / str(i))
                 for i, s in enumerate(samples)]
         flat = [c.flat() for c in cfgs]
         for sample, f in zip(samples, flat):
+            point, control = plan.trial_point(space, sample)
+            assert not control and set(point) == set(space.params)
             for key in space.params:
-                assert f[key] == pytest.approx(sample[key])
+                assert f[key] == pytest.approx(point[key])
         assert {k: v for k, v in flat[0].items() if k != "output_dir"} != \
                {k: v for k, v in flat[1].items() if k != "output_dir"}
 
 
 def test_cluster_mode_needs_a_tracking_server_and_shared_storage(ray_cluster, tmp_path):
-    base = tiny(tmp_path)
-    local = sweep.resolve_settings(sweep.SweepSettings(name="x", storage=str(tmp_path), address="10.0.0.1:6379",
+    base = tiny_base(tmp_path)
+    local = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path), address="10.0.0.1:6379",
                                                        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
-    with pytest.raises(sweep.SweepError, match="needs an MLflow tracking server every node can reach"):
-        sweep.check_cluster(local, base)
-    served = sweep.resolve_settings(sweep.SweepSettings(name="x", storage=str(tmp_path / "shared"),
+    with pytest.raises(sweep_settings.SweepError, match="needs an MLflow tracking server every node can reach"):
+        ray_backend.check_cluster(local, base)
+    served = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path / "shared"),
                                                         address="10.0.0.1:6379", tracking_uri="http://127.0.0.1:1"))
-    sweep.check_cluster(served, base)  # one node here: it sees the storage and data paths
-    assert sweep.trials_that_fit(served) == 2
-    with pytest.raises(sweep.SweepError, match="a trial needs 3 CPUs"):
-        sweep.trials_that_fit(sweep.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
+    ray_backend.check_cluster(served, base)  # one node here: it sees the storage and data paths
+    assert ray_backend.trials_that_fit(served) == 2
+    with pytest.raises(sweep_settings.SweepError, match="a trial needs 3 CPUs"):
+        ray_backend.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
 
 
 # ------------------------------------------------------------------------------- sweeps on Ray
 def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tmp_path):
     space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
-    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "smoke", store), log_to_driver=False)
+    result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "smoke", store), log_to_driver=False)
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED", "TERMINATED"]
 
     parents, children = runs_of("smoke", store)
@@ -137,7 +107,7 @@ def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tm
     # The sampled value reached the trainer: each child logged (from inside its worker) its own d_model.
     assert sorted(c.params["model.d_model"] for c in children) == ["32", "64"]
     for c in children:
-        assert c.status == "FINISHED" and c.tags[tracking.TRIAL_STATE_TAG] == "complete"
+        assert c.status == "FINISHED" and c.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
         for key in ("valid_loss", "valid_bleu", "test/test/bleu", "test/test/chrf", "cost/parameters",
                     "cost/trainable_parameters", "cost/train_tokens_per_s", "cost/wall_s", "cost/cpu_s"):
             assert key in c.metrics, key
@@ -153,8 +123,8 @@ def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tm
     assert {"report/table.md", "report/bleu_vs_cost.png"} <= set(arts)
     assert (tmp_path / "report" / "table.md").read_text().count("| 32 |") == 1
     # Same name again without --resume: refused, nothing started.
-    with pytest.raises(sweep.SweepError, match="already exists.*--resume"):
-        sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "smoke", store), log_to_driver=False)
+    with pytest.raises(sweep_settings.SweepError, match="already exists.*--resume"):
+        driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "smoke", store), log_to_driver=False)
 
 
 @pytest.mark.slow  # ~60-80 s: the NaN trial is retried once (and fails fast) before it is given up
@@ -171,7 +141,7 @@ def test_nan_trial_is_failed_with_reason_and_the_sweep_goes_on(ray_cluster, stor
                         p.fill_(float("nan"))
 
     space = SearchSpace("nan", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
-    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "nan", store, max_failures=1),
+    result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "nan", store, max_failures=1),
                              trial_callbacks=[PoisonSmallModel()], log_to_driver=False)
     assert not result.interrupted
     status = {t.overrides["model.d_model"]: t.status for t in result.trials}
@@ -180,7 +150,7 @@ def test_nan_trial_is_failed_with_reason_and_the_sweep_goes_on(ray_cluster, stor
     assert len(children) == 2  # the retry re-attached, it did not add a run
     by_d = {c.params["model.d_model"]: c for c in children}
     bad, good = by_d["32"], by_d["64"]
-    assert bad.status == "FAILED" and bad.tags[tracking.FAILURE_KIND_TAG] == "nonfinite"
+    assert bad.status == "FAILED" and bad.tags[lifecycle.FAILURE_KIND_TAG] == "nonfinite"
     assert "NonFiniteLossError" in bad.tags[tracking.FAILURE_REASON_TAG]
     assert good.status == "FINISHED" and "test/test/bleu" in good.metrics
     table = (tmp_path / "report" / "table.md").read_text()
@@ -191,7 +161,7 @@ def test_nan_trial_is_failed_with_reason_and_the_sweep_goes_on(ray_cluster, stor
 def test_ddp_trial_with_two_workers(ray_cluster, store, tmp_path):
     """workers_per_trial=2: the unchanged trainer runs under DDP across two Ray Train workers."""
     space = SearchSpace("ddp", "tiny", "transformer", params={"model.d_model": grid((32,))})
-    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "ddp", store, workers_per_trial=2,
+    result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "ddp", store, workers_per_trial=2,
                                                              cpus_per_trial=2.0), log_to_driver=False)
     (trial,) = result.trials
     assert trial.status == "TERMINATED" and len(trial.node_ids) == 2

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-os.environ["RAY_AUTH_MODE"] = "disabled"
-
-from nmtcore import sweep, tracking  # noqa: E402
-from search_spaces import SearchSpace, grid  # noqa: E402
-from tests.synthetic import tiny_experiment  # noqa: E402
+from nmtcore import tracking
+from nmtcore.sweep import driver, ray_backend
+from nmtcore.sweep import settings as sweep_settings
+from nmtcore.testing.synthetic import tiny_experiment
+from search_spaces import SearchSpace, grid
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -80,12 +80,12 @@ def cluster(tmp_path_factory):
                        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}))
     uri = f"http://127.0.0.1:{port}"
     wait_for(lambda: urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200, "mlflow server")
-    sweep.init_ray(address=address, log_to_driver=False)
-    wait_for(lambda: len(sweep.cluster_nodes()) == 2, "the second node")
+    ray_backend.init_ray(address=address, log_to_driver=False)
+    wait_for(lambda: len(ray_backend.cluster_nodes()) == 2, "the second node")
     try:
         yield address, uri, tmp
     finally:
-        sweep.shutdown_ray()
+        ray_backend.shutdown_ray()
         for p in reversed(procs):
             stop(p)
         subprocess.run(["rm", "-rf", temp_dir])
@@ -93,24 +93,24 @@ def cluster(tmp_path_factory):
 
 def test_cluster_mode_refuses_a_local_store(cluster, tmp_path):
     address, _, _ = cluster
-    s = sweep.resolve_settings(sweep.SweepSettings(name="x", storage=str(tmp_path), address=address,
+    s = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path), address=address,
                                                    tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
-    with pytest.raises(sweep.SweepError, match="needs an MLflow tracking server.*--tracking-uri http"):
-        sweep.check_cluster(s, tiny_experiment(tmp_path))
+    with pytest.raises(sweep_settings.SweepError, match="needs an MLflow tracking server.*--tracking-uri http"):
+        ray_backend.check_cluster(s, tiny_experiment(tmp_path))
 
 
 def test_trials_run_on_both_nodes(cluster, tmp_path):
     address, uri, _ = cluster
     space = SearchSpace("cluster", "t", "transformer", params={"model.d_model": grid((32, 64))})
     base = tiny_experiment(tmp_path, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1})
-    settings = sweep.SweepSettings(name="cluster", storage=str(tmp_path / "shared"), tracking_uri=uri,
+    settings = sweep_settings.SweepSettings(name="cluster", storage=str(tmp_path / "shared"), tracking_uri=uri,
                                    address=address, verbose=0, experiment="cluster", report_dir=str(tmp_path / "r"))
-    result = sweep.run_sweep(space, base, settings, log_to_driver=False)
+    result = driver.run_sweep(space, base, settings, log_to_driver=False)
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"] * 2
     nodes = {t.overrides["model.d_model"]: t.node_ids for t in result.trials}
     print("node ids per trial:", {d: [n[:12] for n in ids] for d, ids in nodes.items()})
     assert all(len(ids) == 1 for ids in nodes.values())
     assert nodes[32] != nodes[64]  # one 1-CPU trial per 1-CPU node: both nodes trained
-    assert {n["node_id"] for n in sweep.cluster_nodes()} == {ids[0] for ids in nodes.values()}
+    assert {n["node_id"] for n in ray_backend.cluster_nodes()} == {ids[0] for ids in nodes.values()}
     children = [r for r in tracking.load_runs("cluster", uri) if r.parent_run_id]
     assert len(children) == 2 and all(c.status == "FINISHED" for c in children)

@@ -22,24 +22,22 @@ from pathlib import Path
 import psutil
 import pytest
 
-os.environ["RAY_AUTH_MODE"] = "disabled"
-
-from nmtcore import sweep, tracking  # noqa: E402
-from nmtcore.train import Callback  # noqa: E402
-from search_spaces import SearchSpace, grid  # noqa: E402
-from tests.test_sweep import ray_cluster, runs_of, settings, store, tiny  # noqa: E402,F401  (one cluster per module)
+from nmtcore import tracking
+from nmtcore.engine import Callback
+from nmtcore.sweep import driver, lifecycle, ray_backend
+from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
+from search_spaces import SearchSpace, grid
 
 pytestmark = pytest.mark.slow
 
 GiB = 1024**3
 
 
-
 def counts(expected_keys: set[str], children: list[tracking.RunRecord]) -> dict[str, int]:
     """Trials expected / completed / duplicated (extra child runs for a key) / lost (no complete run)."""
-    keys = [c.tags[tracking.TRIAL_KEY_TAG] for c in children]
-    complete = {c.tags[tracking.TRIAL_KEY_TAG] for c in children
-                if c.status == "FINISHED" and c.tags.get(tracking.TRIAL_STATE_TAG) == "complete"}
+    keys = [c.tags[lifecycle.TRIAL_KEY_TAG] for c in children]
+    complete = {c.tags[lifecycle.TRIAL_KEY_TAG] for c in children
+                if c.status == "FINISHED" and c.tags.get(lifecycle.TRIAL_STATE_TAG) == "complete"}
     return {"expected": len(expected_keys), "completed": len(complete & expected_keys),
             "duplicated": len(keys) - len(set(keys)), "lost": len(expected_keys - complete)}
 
@@ -86,9 +84,9 @@ def _kill_when_parked(pid_file: Path, store_uri: str, experiment: str, seen: dic
 
 def test_sigkilled_worker_resumes_and_matches_an_uninterrupted_trial(ray_cluster, store, tmp_path, deadline):
     space = SearchSpace("sigkill", "t", "transformer", params={"model.d_model": grid((32,))})
-    base = tiny(tmp_path, **{"train.max_epochs": 3})
+    base = tiny_base(tmp_path, **{"train.max_epochs": 3})
     t0 = time.perf_counter()
-    ref = sweep.run_sweep(space, base, settings(tmp_path / "ref", "sigkill-ref", store, max_failures=2),
+    ref = driver.run_sweep(space, base, tiny_settings(tmp_path / "ref", "sigkill-ref", store, max_failures=2),
                           log_to_driver=False)
     t_ref = time.perf_counter() - t0
 
@@ -99,7 +97,7 @@ def test_sigkilled_worker_resumes_and_matches_an_uninterrupted_trial(ray_cluster
     killer.start()
     t0 = time.perf_counter()
     try:
-        result = sweep.run_sweep(space, base, settings(tmp_path / "kill", "sigkill", store, max_failures=2),
+        result = driver.run_sweep(space, base, tiny_settings(tmp_path / "kill", "sigkill", store, max_failures=2),
                                  trial_callbacks=[ParkInEpoch2(str(pid_file))], log_to_driver=False)
     finally:
         stop.set()
@@ -114,13 +112,13 @@ def test_sigkilled_worker_resumes_and_matches_an_uninterrupted_trial(ray_cluster
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"]
     (child,) = runs_of("sigkill", store)[1]
     (ref_child,) = runs_of("sigkill-ref", store)[1]
-    assert child.tags[tracking.TRIAL_KEY_TAG] == ref_child.tags[tracking.TRIAL_KEY_TAG]  # same overrides, seed
+    assert child.tags[lifecycle.TRIAL_KEY_TAG] == ref_child.tags[lifecycle.TRIAL_KEY_TAG]  # same overrides, seed
     assert {k: v for k, v in child.params.items() if "output_dir" not in k and "save_dir" not in k} == \
            {k: v for k, v in ref_child.params.items() if "output_dir" not in k and "save_dir" not in k}
-    assert child.status == "FINISHED" and child.tags[tracking.TRIAL_STATE_TAG] == "complete"
+    assert child.status == "FINISHED" and child.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
     assert child.tags["nmtcore.attach_count"] == "2"  # the retry re-attached the same run
     assert tracking.FAILURE_REASON_TAG not in child.tags  # the crash's reason was cleared by the successful retry
-    c = counts({child.tags[tracking.TRIAL_KEY_TAG]}, runs_of("sigkill", store)[1])
+    c = counts({child.tags[lifecycle.TRIAL_KEY_TAG]}, runs_of("sigkill", store)[1])
     assert c == {"expected": 1, "completed": 1, "duplicated": 0, "lost": 0}, c
 
     hist, ref_hist = tracking.get_run_metrics(child.run_id, store), tracking.get_run_metrics(ref_child.run_id, store)
@@ -142,10 +140,10 @@ def test_sigkilled_worker_resumes_and_matches_an_uninterrupted_trial(ray_cluster
         assert key in compared, key
     relogged = len(hist["update/train_loss"]) - len(ref_hist["update/train_loss"])
     assert relogged >= 2  # the killed attempt had logged half of epoch 2
-    final = {t.trial_key: t.metrics for t in result.trials}[child.tags[tracking.TRIAL_KEY_TAG]]
+    final = {t.trial_key: t.metrics for t in result.trials}[child.tags[lifecycle.TRIAL_KEY_TAG]]
     ref_final = ref.trials[0].metrics
     assert (final["valid_loss"], final["test_bleu"]) == (ref_final["valid_loss"], ref_final["test_bleu"])
-    tune_failures = [getattr(t, "num_failures", None) for t in sweep._saved_trials(result.experiment_path)]
+    tune_failures = [getattr(t, "num_failures", None) for t in ray_backend._saved_trials(result.experiment_path)]
     assert tune_failures == [1], tune_failures  # Tune retried the trial once (not a fresh trial, not none)
     print(f"\nSIGKILL of worker pid {seen['pid']} at update {seen['num_updates']} (epoch 2): trials {c}; "
           f"epoch-3 valid_loss {final['valid_loss']!r} vs uninterrupted {ref_final['valid_loss']!r}, test BLEU "
@@ -171,24 +169,24 @@ class OutOfMemoryInSmallModel(Callback):
 def test_out_of_memory_trial_fails_with_reason_and_the_other_completes(ray_cluster, store, tmp_path, deadline):
     space = SearchSpace("oom", "t", "transformer", params={"model.d_model": grid((32, 64))})
     t0 = time.perf_counter()
-    result = sweep.run_sweep(space, tiny(tmp_path), settings(tmp_path, "oom", store, max_failures=1),
+    result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "oom", store, max_failures=1),
                              trial_callbacks=[OutOfMemoryInSmallModel()], log_to_driver=False)
     wall = time.perf_counter() - t0
     assert not result.interrupted
     status = {t.overrides["model.d_model"]: t.status for t in result.trials}
     assert status == {32: "ERROR", 64: "TERMINATED"}, status
     _, children = runs_of("oom", store)
-    assert len(children) == 2 and len({c.tags[tracking.TRIAL_KEY_TAG] for c in children}) == 2
+    assert len(children) == 2 and len({c.tags[lifecycle.TRIAL_KEY_TAG] for c in children}) == 2
     by_d = {c.params["model.d_model"]: c for c in children}
     bad, good = by_d["32"], by_d["64"]
     name = "OutOfMemoryError" if hasattr(__import__("torch"), "OutOfMemoryError") else "MemoryError"
     reason = bad.tags.get(tracking.FAILURE_REASON_TAG, "")
     assert bad.status == "FAILED" and reason == f"{name}: {OOM_TEXT}", (bad.status, reason)
-    assert bad.tags[tracking.TRIAL_STATE_TAG] == "failed" and bad.tags["nmtcore.tune_status"] == "ERROR"
-    assert bad.tags.get(tracking.FAILURE_KIND_TAG) != "nonfinite"  # not mistaken for a NaN (which is not retried)
+    assert bad.tags[lifecycle.TRIAL_STATE_TAG] == "failed" and bad.tags["nmtcore.tune_status"] == "ERROR"
+    assert bad.tags.get(lifecycle.FAILURE_KIND_TAG) != "nonfinite"  # not mistaken for a NaN (which is not retried)
     assert bad.tags["nmtcore.attach_count"] == "2"  # retried once (max_failures=1), into the same run
     assert "valid_loss" not in bad.metrics and "test/test/bleu" not in bad.metrics
-    assert good.status == "FINISHED" and good.tags[tracking.TRIAL_STATE_TAG] == "complete"
+    assert good.status == "FINISHED" and good.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
     assert good.tags["nmtcore.attach_count"] == "1" and tracking.FAILURE_REASON_TAG not in good.tags
     assert [s for s, _ in tracking.get_run_metrics(good.run_id, store)["valid_loss"]] == [1, 2]
     assert "test/test/bleu" in good.metrics
@@ -286,14 +284,14 @@ def test_twelve_trials_queue_and_complete_without_loss(ray_cluster, store, tmp_p
     values = tuple(range(16, 64, 4))  # 12 model widths (heads=4 divides each): 12 distinct trial keys
     space = SearchSpace("load", "t", "transformer", params={"model.d_model": grid(values)}, metric="valid_loss",
                         mode="min")
-    s = settings(tmp_path, "load", store, cpus_per_trial=0.5)
-    fits = sweep.trials_that_fit(s)
+    s = tiny_settings(tmp_path, "load", store, cpus_per_trial=0.5)
+    fits = ray_backend.trials_that_fit(s)
     assert fits == 4  # 2 CPUs / 0.5: the other 8 trials must queue
     rss = PeakRSS()
     rss.start()
     t0 = time.perf_counter()
     try:
-        result = sweep.run_sweep(space, tiny(tmp_path, **{"train.valid_bleu": False}), s, log_to_driver=False)
+        result = driver.run_sweep(space, tiny_base(tmp_path, **{"train.valid_bleu": False}), s, log_to_driver=False)
     finally:
         wall = time.perf_counter() - t0
         rss.stop()

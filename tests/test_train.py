@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
-from nmtcore.data import prepare_data
-from nmtcore.models import build_model
-from nmtcore.optim import InverseSqrtSchedule
 from nmtcore.config import TrainConfig
-from nmtcore.train import Callback, NonFiniteLossError, Trainer, run_experiment, setup_torch
-from tests.synthetic import tiny_experiment
+from nmtcore.engine import (
+    Callback,
+    NonFiniteLossError,
+    build_trainer,
+    run_experiment,
+)
+from nmtcore.engine.optim import InverseSqrtSchedule
+from nmtcore.testing.synthetic import tiny_experiment
 
 
 class Recorder(Callback):
@@ -29,10 +32,7 @@ class Recorder(Callback):
 
 
 def make_trainer(cfg, callbacks=()):
-    setup_torch(cfg)
-    data = prepare_data(cfg.data)
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    return Trainer(cfg, model, data, callbacks, torch.device("cpu"))
+    return build_trainer(cfg, callbacks=callbacks, device=torch.device("cpu"))
 
 
 def test_inverse_sqrt_schedule_matches_fairseq():
@@ -52,7 +52,7 @@ def test_learning_synthetic_translation(tmp_path):
     summary = run_experiment(cfg)
     cpu = time.process_time() - t0
     torch.set_num_threads(2)
-    bleu = summary["test"]["test"]["bleu"]
+    bleu = summary.test["test"].bleu
     assert bleu >= 90, summary
     assert cpu < 90, f"took {cpu:.0f} CPU seconds"
 
@@ -107,5 +107,5 @@ def test_early_stopping_on_validation_loss(tmp_path):
                                        "train.warmup_updates": 0, "train.warmup_init_lr": 0.0})
     trainer = make_trainer(cfg)
     summary = trainer.fit()  # lr 1.0 diverges: validation loss stops improving quickly
-    assert summary["stop_reason"] == "early_stopping(patience=1)"
-    assert summary["epochs"] < 6
+    assert summary.stop_reason == "early_stopping(patience=1)"
+    assert summary.epochs < 6

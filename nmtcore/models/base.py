@@ -1,122 +1,121 @@
-"""The interface every nmtcore model implements, and the typed decoder state beam search drives.
+"""The interface every nmtcore model implements: what the trainer, the losses and beam search may call.
 
-A model is a ``torch.nn.Module`` with three methods:
+A model is a ``torch.nn.Module`` with four required methods:
 
-- ``encode(batch) -> EncoderOut``: runs everything on the source side once.
-- ``decode_step(prev_tokens, enc_out, state) -> logits``: one incremental decoder step for
-  ``prev_tokens`` (B, 1), reading and growing ``state`` in place; returns (B, V) log-space logits.
-- ``forward(batch) -> ModelOutput``: teacher-forced logits (B, T, V) plus named extras (e.g. the
-  hidden state a KD loss needs). Losses live outside the model.
+- ``encode(batch) -> EncoderOut``: everything on the source side, once.
+- ``init_state(enc_out) -> DecoderState``: an empty incremental state for beam search.
+- ``decode_step(prev_tokens, enc_out, state) -> logits``: one incremental decoder step for ``prev_tokens``
+  (B, 1), reading and growing ``state`` in place; returns (B, V) logits.
+- ``forward(batch) -> ModelOutput``: teacher-forced logits plus the typed extras a loss needs.
 
-Beam search only ever touches ``EncoderOut.reorder`` / ``DecoderState.reorder``: a model family adds
-its own cached tensors (BERT keys/values, gates...) by storing them in these containers, never by
-changing the search.
+and optional hooks, declared here with their defaults so the trainer never probes a model with
+``hasattr``: :meth:`NMTModel.prepare` (preprocessing before the model is built), :meth:`parameter_groups`,
+:meth:`default_phases` and :meth:`set_phase` (phases are data the trainer reads), and
+:attr:`has_kd_teacher` / :attr:`idle_kd_teacher_allowed` (knowledge distillation). Losses live outside the
+model (:mod:`nmtcore.engine.losses`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Iterable
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from nmtcore.bert import KDStates
+from nmtcore.config import ExperimentConfig, PhaseConfig
+from nmtcore.nn import DecoderState, EncoderOut
 
 if TYPE_CHECKING:
-    from nmtcore.data import Batch
-
-
-@dataclass
-class EncoderOut:
-    """Source-side results shared by all decoding steps.
-
-    ``out``: (B, S, C) top encoder states; ``mask``: (B, S) True = padding. ``extras`` holds any other
-    per-sentence tensors a model family needs (batch dimension first), e.g. BERT states.
-    """
-
-    out: Tensor
-    mask: Tensor
-    extras: dict[str, Tensor] = field(default_factory=dict)
-
-    def reorder(self, index: Tensor) -> "EncoderOut":
-        """Select sentences along the batch dimension (used to expand to beams)."""
-        return EncoderOut(
-            out=self.out.index_select(0, index),
-            mask=self.mask.index_select(0, index),
-            extras={k: v.index_select(0, index) for k, v in self.extras.items()},
-        )
-
-
-@dataclass
-class LayerCache:
-    """One attention layer's incremental cache.
-
-    ``self_k``/``self_v``: (B, H, t, Dh) keys/values of the decoder prefix, grown by one step at a time.
-    ``static``: keys/values over fixed memories (encoder, BERT), computed at the first step and reused,
-    keyed by memory name: ``{"enc": (k, v)}``.
-    """
-
-    self_k: Tensor | None = None
-    self_v: Tensor | None = None
-    static: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
-
-
-@dataclass
-class DecoderState:
-    """Typed incremental decoder state: one :class:`LayerCache` per decoder layer, the current step,
-    and any model-specific tensors (batch dimension first) in ``extras``."""
-
-    layers: list[LayerCache]
-    step: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def empty(cls, num_layers: int) -> "DecoderState":
-        return cls(layers=[LayerCache() for _ in range(num_layers)])
-
-    def reorder(self, beam_idx: Tensor, static: bool = True) -> None:
-        """Keep the rows ``beam_idx`` (B',) of every cached tensor, in place.
-
-        ``static=False`` leaves the keys/values over fixed memories (encoder, BERT) as they are: valid
-        when ``beam_idx`` only permutes rows *within* each sentence's block of beams, whose static rows
-        are identical copies (beam search knows when that holds and saves the copies).
-        """
-        for cache in self.layers:
-            if cache.self_k is not None:
-                cache.self_k = cache.self_k.index_select(0, beam_idx)
-                cache.self_v = cache.self_v.index_select(0, beam_idx)
-            if static:
-                cache.static = {
-                    name: (k.index_select(0, beam_idx), v.index_select(0, beam_idx))
-                    for name, (k, v) in cache.static.items()
-                }
-        self.extras = {
-            k: v.index_select(0, beam_idx) if isinstance(v, Tensor) else v for k, v in self.extras.items()
-        }
+    from nmtcore.data import Batch, PreparedData
 
 
 @dataclass
 class ModelOutput:
-    """Teacher-forced output: ``logits`` (B, T, V) and named extras for losses (e.g. ``"kd_hidden"``)."""
+    """Teacher-forced output of :meth:`NMTModel.forward`.
+
+    ``logits`` (B, T, V). The rest is optional and typed, so a loss term cannot be dropped by a misspelt
+    key: ``enc_out`` (B, S, C) and ``dec_hidden`` (B, T, C) the top encoder/decoder states; ``kd`` the
+    states a KD loss compares (training only); ``mlm_loss`` and ``target_lm_loss`` per-token mean
+    auxiliary losses (PLM-sponsored NMT Eq. 8-9, training only); ``knowledge_mask`` (B, S) True = source
+    embedding masked (mask fusion Eq. 4).
+    """
 
     logits: Tensor
-    extras: dict[str, Tensor] = field(default_factory=dict)
+    enc_out: Tensor | None = None
+    dec_hidden: Tensor | None = None
+    kd: KDStates | None = None
+    mlm_loss: Tensor | None = None
+    target_lm_loss: Tensor | None = None
+    knowledge_mask: Tensor | None = None
+
+    def aux_losses(self) -> list[Tensor]:
+        """The auxiliary per-token-mean losses present (added with weight 1, Eq. 9)."""
+        return [t for t in (self.mlm_loss, self.target_lm_loss) if t is not None]
 
 
-class NMTModel(torch.nn.Module):
-    """Base class: declares the interface and the pieces the trainer and beam search rely on."""
+class NMTModel(nn.Module):
+    """Base class: the interface the trainer and beam search rely on, with the optional hooks' defaults."""
 
     pad_id: int
     bos_id: int
     eos_id: int
+    # A model that distils from a frozen copy of its own PLM may build the teacher and leave it idle at
+    # train.kd_alpha = 1 (PLM-sponsored Table 3's "-L_kd", the α sweep's α = 1); a teacher-only BERT may not.
+    idle_kd_teacher_allowed: ClassVar[bool] = False
 
+    # ------------------------------------------------------------------ required
     def encode(self, batch: "Batch") -> EncoderOut:  # pragma: no cover - interface
+        """Source side of ``batch``, computed once per sentence."""
         raise NotImplementedError
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:  # pragma: no cover - interface
+        """An empty incremental decoder state for the sentences of ``enc_out``."""
         raise NotImplementedError
 
     def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        """(B, 1) previous tokens → (B, V) logits of the next; grows ``state`` in place."""
         raise NotImplementedError  # pragma: no cover - interface
 
     def forward(self, batch: "Batch") -> ModelOutput:  # pragma: no cover - interface
+        """Teacher-forced logits of ``batch`` and the extras its losses need."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional hooks
+    @classmethod
+    def prepare(cls, cfg: ExperimentConfig, data: "PreparedData") -> ExperimentConfig:
+        """Preprocessing the model class needs before it is built (e.g. PLM-sponsored's target BERT and
+        FWET table); returns the config to build with. Idempotent and cached. Default: nothing to do."""
+        return cfg
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Named parameter sets a phase schedule freezes or trains; every parameter in exactly one. Default:
+        one group, ``nmt``."""
+        return self.groups()
+
+    def default_phases(self) -> tuple[PhaseConfig, ...]:
+        """The model's own phase schedule (BERT-JAM's three phases); () = one implicit phase."""
+        return ()
+
+    def set_phase(self, phase: PhaseConfig) -> None:
+        """Told by the trainer when a phase begins (e.g. BERT-JAM's GLU scale). Default: nothing."""
+
+    @property
+    def has_kd_teacher(self) -> bool:
+        """Whether the model built a BERT teacher for knowledge distillation."""
+        return False
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def groups(self, **named: Iterable[nn.Parameter]) -> dict[str, list[nn.Parameter]]:
+        """The ``named`` groups plus ``nmt`` = every parameter not in one of them."""
+        out = {name: list(params) for name, params in named.items()}
+        taken = {id(p) for params in out.values() for p in params}
+        out["nmt"] = [p for p in self.parameters() if id(p) not in taken]
+        return out
+
+    def num_parameters(self, trainable: bool = False) -> int:
+        """Parameter count (only those with ``requires_grad`` if ``trainable``)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable)
+
+
+__all__ = ["DecoderState", "EncoderOut", "KDStates", "ModelOutput", "NMTModel"]

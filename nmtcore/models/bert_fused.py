@@ -7,15 +7,16 @@ Architecture (Eq. 1-2), on top of the Transformer baseline (same embeddings, res
 - decoder layer l: ``ŝ = attn_S(s, S_<t+1, S_<t+1)``, ``s̃ = ½ (attn_B(ŝ, H_B, H_B) + attn_E(ŝ, H_E^L, H_E^L))``
   then FFN.
 
-``attn_B`` is a :class:`~nmtcore.layers.CrossAttention` whose keys/values come from BERT's last layer
+``attn_B`` is a :class:`~nmtcore.nn.CrossAttention` whose keys/values come from BERT's last layer
 (``kdim = vdim = BERT width``). Parameter names match the baseline's (``self_attn``, ``cross_attn``,
 ``*_res``, ``ffn``, embeddings), so a trained baseline checkpoint warm-starts this model
-(``train.init_from``, :func:`nmtcore.train.warm_start`) and only ``bert_attn`` starts fresh, the papers'
+(``train.init_from``, :func:`nmtcore.engine.warm_start.warm_start`) and only ``bert_attn`` starts fresh, the papers'
 procedure.
 
-Drop-net (Eq. 3), probability ``model.p_net``: per layer and per training forward, draw U ~ U(0, 1);
-``U < p/2`` → the first branch only, ``U > 1 − p/2`` → the second only, else the average; at inference
-the expectation, i.e. the average (Eq. 1). Two deliberate departures from the original code:
+Drop-net (Eq. 3, :class:`~nmtcore.nn.DropNet`), probability ``model.p_net``: per layer and per training
+forward, draw U ~ U(0, 1); ``U < p/2`` → the first branch only, ``U > 1 − p/2`` → the second only, else the
+average; at inference the expectation, i.e. the average (Eq. 1). Two deliberate departures from the
+original code:
 
 - with drop-net off (``p_net = 0``) the original code *summed* the two branches; we average, as Eq. 1;
 - the original drew U from an unseeded numpy RNG; ours comes from a ``torch.Generator`` seeded at
@@ -29,77 +30,19 @@ frozen-feature cache (:mod:`nmtcore.bert`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer
-from nmtcore.config import ModelConfig, check, check_unit_interval
-from nmtcore.layers import CrossAttention, FeedForward, Residual, SelfAttention
-from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput
+from nmtcore.config import BertFusedConfig
 from nmtcore.models.transformer import Transformer
+from nmtcore.nn import (CrossAttention, DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual,
+                        SelfAttention, combine)
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
-
-
-@dataclass(frozen=True)
-class BertFusedConfig(ModelConfig):
-    """Transformer fields plus drop-net. ``model.bert`` must name a BERT; fine-tuning is ``model.bert.freeze``."""
-
-    name: str = "bert_fused"
-    p_net: float = 1.0  # drop-net probability (Eq. 3); the paper's setting is 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_unit_interval(self.p_net, "model.p_net")
-        check(self.bert.enabled, "model.bert.name",
-              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-
-
-# ---------------------------------------------------------------------- drop-net
-class DropNet(nn.Module):
-    """Eq. 3's branch weights, drawn from a seeded generator whose state is checkpointed.
-
-    ``weights()`` returns ``(w_first, w_second)``: (1, 0), (0, 1) or (½, ½) while training (one U per call;
-    the model calls it once per layer per forward), always (½, ½) in eval mode (the expectation, Eq. 1).
-    """
-
-    def __init__(self, p: float, seed: int) -> None:
-        super().__init__()
-        self.p = p
-        gen = torch.Generator().manual_seed(seed)
-        # The generator's state lives in a buffer so state_dict / checkpoints carry it (resume is exact).
-        self.register_buffer("drop_net_rng", gen.get_state())
-
-    def draw(self) -> float:
-        """One U ~ Uniform(0, 1) from the module's generator, advancing its saved state."""
-        gen = torch.Generator()
-        gen.set_state(self.drop_net_rng.cpu())
-        u = torch.rand((), generator=gen).item()
-        self.drop_net_rng.copy_(gen.get_state())
-        return u
-
-    def weights(self) -> tuple[float, float]:
-        if not self.training:
-            return 0.5, 0.5  # E_U[Eq. 3] = Eq. 1
-        u = self.draw()
-        if u < self.p / 2:
-            return 1.0, 0.0
-        if u > 1 - self.p / 2:
-            return 0.0, 1.0
-        return 0.5, 0.5
-
-
-def combine(first: Callable[[], Tensor], second: Callable[[], Tensor], w: tuple[float, float]) -> Tensor:
-    """w_1·first() + w_2·second(), running only the branches with a non-zero weight (drop-net)."""
-    if w[1] == 0.0:
-        return first()
-    if w[0] == 0.0:
-        return second()
-    return w[0] * first() + w[1] * second()
 
 
 # ---------------------------------------------------------------------- layers
@@ -157,8 +100,6 @@ class BertFused(Transformer):
     stacks are replaced by the fused layers, keeping the baseline's parameter names.
     """
 
-    bert_role = "input"  # owns its BertLayer; the baseline's KD teacher is not built
-
     bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
 
     def __init__(self, cfg: BertFusedConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
@@ -175,10 +116,8 @@ class BertFused(Transformer):
                                             for _ in range(cfg.decoder_layers))
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        """Named parameter sets a phase schedule freezes/unfreezes: ``bert`` and everything else (``nmt``)."""
-        bert = list(self.bert.parameters())
-        ids = {id(p) for p in bert}
-        return {"bert": bert, "nmt": [p for p in self.parameters() if id(p) not in ids]}
+        """``bert`` and everything else (``nmt``)."""
+        return self.groups(bert=self.bert.parameters())
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
         offset = state.step if state is not None else 0
@@ -197,8 +136,3 @@ class BertFused(Transformer):
             x = layer(x, batch.src_mask, bert, bert_mask, self.enc_drop_net.weights())
         return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask,
                           extras={"bert": bert, "bert_mask": bert_mask})
-
-    def forward(self, batch: "Batch") -> ModelOutput:
-        enc_out = self.encode(batch)
-        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})

@@ -25,88 +25,19 @@ no phase 2: phase 1 takes its epochs); M3 ``schedule`` without ``warmup`` (phase
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer
-from nmtcore.config import ModelConfig, PhaseConfig, check, check_unit_interval
-from nmtcore.layers import FeedForward, Residual, attend, merge_heads, split_heads
-from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput
-from nmtcore.models.bert_fused import DropNet, combine
+from nmtcore.config import BertJamConfig, PhaseConfig
 from nmtcore.models.transformer import Transformer
+from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend, combine,
+                        merge_heads, split_heads)
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
-
-PHASES = ("warmup", "glu", "finetune")
-
-
-@dataclass(frozen=True)
-class BertJamConfig(ModelConfig):
-    """Transformer fields plus BERT-JAM's switches. ``model.bert`` must name a BERT."""
-
-    name: str = "bert_jam"
-    glu: str = "glu"  # "glu" (Eq. 8) | "weighted_sum" (M1: B = Σ α_i B_i)
-    bert_layers: str = "all"  # "all" (B_1..B_L through the GLU) | "last" (M2: B = B_L, no GLU)
-    decoder_p_net: float = 0.0  # drop-net over Eq. 10's two joint attentions; 0 = their average
-    schedule: tuple[str, ...] = PHASES  # phases run, in order; M2 drops "glu", M3 drops "warmup"
-    phase_epochs: tuple[int, int, int] = (40, 10, 10)  # Table 7: epochs of warmup / glu / finetune
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.bert.enabled, "model.bert.name",
-              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-        check(self.glu in ("glu", "weighted_sum"), "model.glu", f"must be 'glu' or 'weighted_sum', got {self.glu!r}")
-        check(self.bert_layers in ("all", "last"), "model.bert_layers",
-              f"must be 'all' or 'last', got {self.bert_layers!r}")
-        check_unit_interval(self.decoder_p_net, "model.decoder_p_net")
-        check(len(self.schedule) > 0 and list(self.schedule) == [p for p in PHASES if p in self.schedule]
-              and len(set(self.schedule)) == len(self.schedule), "model.schedule",
-              f"must be a non-empty ordered subset of {PHASES}, got {self.schedule}")
-        check(not (self.bert_layers == "last" and "glu" in self.schedule), "model.schedule",
-              "model.bert_layers=last has no GLU to train: drop the 'glu' phase (M2)")
-        check(all(e > 0 for e in self.phase_epochs), "model.phase_epochs", f"must be > 0, got {self.phase_epochs}")
-        for key, value in ABLATIONS.get(self.name, {}).items():  # a variant name means exactly its fields
-            check(getattr(self, key) == value, f"model.{key}",
-                  f"model {self.name} is defined by {key}={value!r}; use model.name=bert_jam to change it")
-
-
-# Table 7's ablations: registered names → the fields that define them (the config classes below carry
-# them as defaults; validation refuses a variant name with other values, so a run labelled M1 is M1).
-ABLATIONS: dict[str, dict[str, object]] = {
-    "bert_jam_m1": {"glu": "weighted_sum"},
-    "bert_jam_m2": {"bert_layers": "last", "schedule": ("warmup", "finetune")},
-    "bert_jam_m3": {"schedule": ("glu", "finetune")},
-}
-
-
-@dataclass(frozen=True)
-class BertJamM1Config(BertJamConfig):
-    """M1: the GLU replaced by a learned weighted sum of BERT's layers (its weights train in phase 2)."""
-
-    name: str = "bert_jam_m1"
-    glu: str = "weighted_sum"
-
-
-@dataclass(frozen=True)
-class BertJamM2Config(BertJamConfig):
-    """M2: BERT's last layer only, no GLU, no phase 2 (phase 1 prolonged by its epochs)."""
-
-    name: str = "bert_jam_m2"
-    bert_layers: str = "last"
-    schedule: tuple[str, ...] = ("warmup", "finetune")
-
-
-@dataclass(frozen=True)
-class BertJamM3Config(BertJamConfig):
-    """M3: no warmup phase: NMT and GLU train together from the start (phase 2 takes phase 1's epochs)."""
-
-    name: str = "bert_jam_m3"
-    schedule: tuple[str, ...] = ("glu", "finetune")
-
 
 # ---------------------------------------------------------------------- joint attention (Eq. 5-7)
 class JointAttention(nn.Module):
@@ -255,11 +186,9 @@ class BertJam(Transformer):
     # ------------------------------------------------------------------ phases (data the trainer reads)
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` (the BERT), ``glu`` (α, β of every layer's GLU), ``nmt`` (everything else)."""
-        bert = list(self.bert.parameters())
         glu = [p for layer in [*self.encoder_layers, *self.decoder_layers] if layer.glu is not None
                for p in layer.glu.parameters()]
-        taken = {id(p) for p in bert + glu}
-        return {"bert": bert, "glu": glu, "nmt": [p for p in self.parameters() if id(p) not in taken]}
+        return self.groups(bert=self.bert.parameters(), glu=glu)
 
     def default_phases(self) -> tuple[PhaseConfig, ...]:
         """Section 2.4's schedule for this config; a skipped phase's epochs go to its neighbour (M2: to
@@ -314,8 +243,3 @@ class BertJam(Transformer):
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:
         return DecoderState.empty(2 * len(self.decoder_layers))  # two joint attentions per layer
-
-    def forward(self, batch: "Batch") -> ModelOutput:
-        enc_out = self.encode(batch)
-        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})

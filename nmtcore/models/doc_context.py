@@ -17,7 +17,7 @@ Architecture, on top of the Transformer baseline (same embeddings, residuals, la
 
 Parameter names match the baseline's (``self_attn``, ``self_res``, ``cross_attn``, ``cross_res``, ``ffn``,
 ``ffn_res``, embeddings), so a trained sentence-level checkpoint warm-starts this model
-(``train.init_from``, :func:`nmtcore.train.warm_start`), the paper's procedure (Sec. 3.2); only
+(``train.init_from``, :func:`nmtcore.engine.warm_start`), the paper's procedure (Sec. 3.2); only
 ``bert_attn`` and ``gate`` start fresh. BERT is frozen (``model.bert.freeze``, the default; Sec. 3.2) and
 served from the frozen-feature cache.
 
@@ -43,7 +43,7 @@ Choices where the paper is silent or ambiguous (fields where they plausibly matt
   document start: only the words differ from ``real``); drawn once per sentence from
   ``model.random_context_seed`` and the split's name, so it is the same every epoch (and cacheable).
 - ``fixed``: the paper does not give the sentence; ``model.fixed_context`` (default
-  :data:`DEFAULT_FIXED_CONTEXT`), used for every sentence, document starts included.
+  :data:`nmtcore.config.families.DEFAULT_FIXED_CONTEXT`), used for every sentence, document starts included.
 - ``real`` and ``random`` need a document corpus (``data.corpus=docparallel`` or ``maruf2019_*``); on a
   split without documents they fail with a one-line :class:`~nmtcore.data.DataError` rather than invent
   document boundaries. ``fixed`` needs none.
@@ -57,7 +57,6 @@ Choices where the paper is silent or ambiguous (fields where they plausibly matt
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import numpy as np
@@ -65,48 +64,13 @@ import torch
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer
-from nmtcore.config import ModelConfig, check
+from nmtcore.config import DocContextConfig
 from nmtcore.data import DataError
-from nmtcore.layers import CrossAttention, FeedForward, Residual, SelfAttention
-from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput
 from nmtcore.models.transformer import Transformer
+from nmtcore.nn import CrossAttention, DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch, EncodedSplit, PreparedData
-
-INTEGRATIONS = ("none", "encoder", "decoder", "both")  # Table 3
-CONTEXT_TYPES = ("real", "random", "fixed")  # Table 4
-DEFAULT_FIXED_CONTEXT = "this is a fixed sentence ."
-
-
-@dataclass(frozen=True)
-class DocContextConfig(ModelConfig):
-    """Transformer fields plus the context encoder's switches. ``model.bert`` must name a BERT unless
-    ``context_integration`` is ``none``."""
-
-    name: str = "doc_context"
-    context_integration: str = "both"  # none | encoder | decoder | both (Table 3)
-    context_type: str = "real"  # real | random | fixed (Table 4)
-    context_sentences: int = 1  # previous sentences of the same document in segment 0 (Sec. 3.2: one)
-    fixed_context: str = DEFAULT_FIXED_CONTEXT  # context_type=fixed: the sentence (the paper gives none)
-    random_context_seed: int = 1  # context_type=random: seed of the word draws
-    gate_bias_init: float = 0.0  # b_g / b_d at construction (Eq. 4, 6)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.context_integration in INTEGRATIONS, "model.context_integration",
-              f"must be one of {', '.join(INTEGRATIONS)}, got {self.context_integration!r}")
-        check(self.context_type in CONTEXT_TYPES, "model.context_type",
-              f"must be one of {', '.join(CONTEXT_TYPES)}, got {self.context_type!r}")
-        check(self.context_sentences >= 1, "model.context_sentences", f"must be >= 1, got {self.context_sentences}")
-        check(bool(self.fixed_context.strip()), "model.fixed_context", "must not be empty")
-        check(self.context_integration == "none" or self.bert.enabled, "model.bert.name",
-              f"{self.name} with context_integration={self.context_integration} needs a BERT: set "
-              "model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-        check(self.bert.context == "none", "model.bert.context",
-              f"{self.name} builds its own context segment (model.context_type, model.context_sentences); "
-              f"leave model.bert.context at 'none', got {self.bert.context!r}")
-
 
 # ---------------------------------------------------------------------- the context segment
 class DocContextSource:
@@ -235,10 +199,7 @@ class DocContext(Transformer):
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """Named parameter sets a phase schedule freezes/unfreezes: ``bert`` (if any) and the rest (``nmt``)."""
-        bert = list(self.bert.parameters()) if self.bert is not None else []
-        ids = {id(p) for p in bert}
-        groups = {"nmt": [p for p in self.parameters() if id(p) not in ids]}
-        return {"bert": bert, **groups} if bert else groups
+        return self.groups(bert=self.bert.parameters()) if self.bert is not None else self.groups()
 
     def encode(self, batch: "Batch") -> EncoderOut:
         if self.bert is None:
@@ -266,8 +227,3 @@ class DocContext(Transformer):
             x = layer(x, enc_out.out, enc_out.mask, bert, bert_mask,
                       cache=state.layers[i] if state is not None else None)
         return self.decoder_norm(x)
-
-    def forward(self, batch: "Batch") -> ModelOutput:
-        enc_out = self.encode(batch)
-        h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        return ModelOutput(logits=self.output_logits(h), extras={"enc_out": enc_out.out, "dec_hidden": h})

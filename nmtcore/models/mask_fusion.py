@@ -3,7 +3,7 @@ fused by a GLU, a mask knowledge matrix at the source embeddings, an adaptive fu
 
 The Transformer baseline is kept whole (embeddings, encoder and decoder stacks, output layer, with the
 baseline's parameter names, so a trained baseline warm-starts this model: Section 2.4, ``train.init_from``,
-:func:`nmtcore.train.warm_start`); BERT enters the source side only, in two places:
+:func:`nmtcore.engine.warm_start`); BERT enters the source side only, in two places:
 
 1. **Multi-layer BERT fusion** (Eq. 1-2, :class:`LayerFusion`): ``B = GLU(Concat(B_1..B_n) W)``,
    ``W ∈ R^{n×2}`` mixes the layer axis into two channels, the GLU gates the first by σ of the second.
@@ -35,7 +35,7 @@ Where the paper is ambiguous, the choices made here (config fields where they pl
 - **Eq. 5's B** is ``B w3`` (B's width is BERT's, E's is d_model; Eq. 6 already projects it by w3);
   **λ is element-wise** (w2 ∈ R^{2d×d}: the paper calls w2 a matrix). w2, w3, U, V have no bias (none is
   written); Eq. 3 has its b. λ is a ReLU as written (unbounded, so 1 − λ may be negative).
-- **Eq. 7** goes through the shared :class:`~nmtcore.layers.CrossAttention` with one head: query, key/value
+- **Eq. 7** goes through the shared :class:`~nmtcore.nn.CrossAttention` with one head: query, key/value
   and output projections (E_N and B differ in width, so Eq. 7 cannot be applied without them) and the
   usual 1/√d scaling rather than the written 1/d. Its dropout is ``model.fusion_attention_dropout``
   (0.2, Section 3.2).
@@ -52,8 +52,6 @@ embedding is ``E + G``; Table 4's M2 and Table 5's θ = 0 report the same 30.52,
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -61,84 +59,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer, BertOut, pool_to_tokens
-from nmtcore.config import ModelConfig, check, check_unit_interval
-from nmtcore.layers import CrossAttention
-from nmtcore.models.base import EncoderOut, ModelOutput
+from nmtcore.config import MaskFusionConfig
+from nmtcore.models.base import ModelOutput
 from nmtcore.models.transformer import Transformer
+from nmtcore.nn import CrossAttention, EncoderOut
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
-
-EMBEDDING_FUSIONS = ("mask", "gate", "none")
-
-
-@dataclass(frozen=True)
-class MaskFusionConfig(ModelConfig):
-    """Transformer fields plus the two fusion stages and their ablation switches. ``model.bert`` must name
-    a BERT (frozen in the paper: ``model.bert.freeze``, the default)."""
-
-    name: str = "mask_fusion"
-    mask_threshold: float = 0.03  # θ of Eq. 4, in [0, 1]; Table 5's best
-    bert_layers: str = "all"  # "all" (Eq. 1-2: GLU over B_1..B_L) | "last" (M1: B = B_L)
-    embedding_fusion: str = "mask"  # "mask" (Eq. 3-6: Ẽ + G) | "gate" (M2: E + G) | "none" (plain E)
-    adaptive_fusion: bool = True  # Eq. 7-9 after the encoder; false = M3 (the decoder reads E_N)
-    mask_fill: float = -1e-9  # value written into masked embedding rows (Section 2.2)
-    mask_divisor: float = 0.0  # d of Eq. 3; 0 = model.d_model (the paper's 512)
-    fusion_attention_dropout: float = 0.2  # dropout of Eq. 7's single-head attention (Section 3.2)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.bert.enabled, "model.bert.name",
-              f"{self.name} needs a BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-        check_unit_interval(self.mask_threshold, "model.mask_threshold")
-        check(self.bert_layers in ("all", "last"), "model.bert_layers",
-              f"must be 'all' or 'last', got {self.bert_layers!r}")
-        check(self.embedding_fusion in EMBEDDING_FUSIONS, "model.embedding_fusion",
-              f"must be one of {', '.join(EMBEDDING_FUSIONS)}, got {self.embedding_fusion!r}")
-        check(self.embedding_fusion != "none" or self.adaptive_fusion, "model.adaptive_fusion",
-              "with model.embedding_fusion=none as well, the model uses no BERT (use model.name=transformer)")
-        check(math.isfinite(self.mask_fill), "model.mask_fill", f"must be finite, got {self.mask_fill}")
-        check(self.mask_divisor >= 0, "model.mask_divisor",
-              f"must be >= 0 (0 = model.d_model), got {self.mask_divisor}")
-        check_unit_interval(self.fusion_attention_dropout, "model.fusion_attention_dropout")
-        check(self.fusion_attention_dropout < 1.0, "model.fusion_attention_dropout", "must be < 1")
-        for key, value in ABLATIONS.get(self.name, {}).items():  # a variant name means exactly its fields
-            check(getattr(self, key) == value, f"model.{key}",
-                  f"model {self.name} is defined by {key}={value!r}; use model.name=mask_fusion to change it")
-
-
-# Table 4's ablations: registered names → the fields that define them (the config classes below carry
-# them as defaults; validation refuses a variant name with other values, so a run labelled M1 is M1).
-ABLATIONS: dict[str, dict[str, object]] = {
-    "mask_fusion_m1": {"bert_layers": "last"},
-    "mask_fusion_m2": {"embedding_fusion": "gate"},
-    "mask_fusion_m3": {"adaptive_fusion": False},
-}
-
-
-@dataclass(frozen=True)
-class MaskFusionM1Config(MaskFusionConfig):
-    """M1: no multi-layer fusion, BERT's last layer only (B = B_L)."""
-
-    name: str = "mask_fusion_m1"
-    bert_layers: str = "last"
-
-
-@dataclass(frozen=True)
-class MaskFusionM2Config(MaskFusionConfig):
-    """M2: no mask knowledge matrix; the gate G stays (new embedding = E + G, the same as θ = 0)."""
-
-    name: str = "mask_fusion_m2"
-    embedding_fusion: str = "gate"
-
-
-@dataclass(frozen=True)
-class MaskFusionM3Config(MaskFusionConfig):
-    """M3: no adaptive fusion module; the decoder attends to the encoder output E_N."""
-
-    name: str = "mask_fusion_m3"
-    adaptive_fusion: bool = False
-
 
 # ---------------------------------------------------------------------- multi-layer BERT fusion (Eq. 1-2)
 class LayerFusion(nn.Module):
@@ -250,12 +177,10 @@ class MaskFusion(Transformer):
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` (the BERT), ``mask_query`` (Eq. 3's fixed w1, b; empty without the mask) and ``nmt``
         (everything else, the fusion modules included)."""
-        bert = list(self.bert.parameters())
         query: list[nn.Parameter] = []
         if self.knowledge is not None and self.knowledge.mask_query is not None:
             query = list(self.knowledge.mask_query.parameters())
-        taken = {id(p) for p in bert + query}
-        return {"bert": bert, "mask_query": query, "nmt": [p for p in self.parameters() if id(p) not in taken]}
+        return self.groups(bert=self.bert.parameters(), mask_query=query)
 
     # ------------------------------------------------------------------ pieces
     def bert_memory(self, bert_out: BertOut) -> Tensor:
@@ -293,7 +218,5 @@ class MaskFusion(Transformer):
     def forward(self, batch: "Batch") -> ModelOutput:
         enc_out, m = self.encode_with_mask(batch)
         h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        extras = {"enc_out": enc_out.out, "dec_hidden": h}
-        if m is not None:
-            extras["knowledge_mask"] = m  # (B, S) True = embedding masked (Eq. 4)
-        return ModelOutput(logits=self.output_logits(h), extras=extras)
+        return ModelOutput(logits=self.output_logits(h), enc_out=enc_out.out, dec_hidden=h,
+                           knowledge_mask=m)  # m (B, S) True = embedding masked (Eq. 4), None without the stage

@@ -12,7 +12,7 @@ Architecture (Section 2.2-2.3):
 - **Decoder** = the target BERT (``model.tgt_bert``, e.g. the platform's own German
   ``pretrained-here:L4-H256:multi30k:de``) run causally, self-attention only, with an incremental cache.
   Design choice (stated, as the issue allows): it is a BERT-architecture stack built from
-  :mod:`nmtcore.layers` primitives and *initialised from the target BERT's weights* (layers, position and
+  :mod:`nmtcore.nn` primitives and *initialised from the target BERT's weights* (layers, position and
   token-type embeddings, embedding LayerNorm), reading **NMT target subwords** whose embedding table is
   the frequency-weighted embedding transformation of the BERT's WordPiece embeddings (FWET, Algorithm 1,
   ``model.fwet``; without it the table starts random). This is the paper's "+FWET" setting (Section 2.4,
@@ -29,26 +29,28 @@ Architecture (Section 2.2-2.3):
 - **Output**: logits through the target embedding (``model.share_embeddings``: tied, via a linear map
   d_model → target BERT width when they differ; else an own output matrix).
 
-Losses (Eq. 4-9) stay in :mod:`nmtcore.losses`; ``forward`` returns them as named extras while training:
+Losses (Eq. 4-9) stay in :mod:`nmtcore.engine.losses`; ``forward`` returns their inputs as typed fields of
+:class:`~nmtcore.models.base.ModelOutput` while training:
 
 - **Half-layer KD** (Eq. 4-5): a frozen copy of the source BERT taken at construction is the teacher
-  (``model.kd_teacher``); ``kd_hidden`` = the student's layer-M/2 state (``model.kd_layer=full``: layer M,
-  Table 3's "+L_fkd"), ``kd_target`` = the teacher's last layer, ``kd_mask`` = the WordPiece padding. The
+  (``model.kd_teacher``); ``ModelOutput.kd`` holds the student's layer-M/2 state (``model.kd_layer=full``:
+  layer M, Table 3's "+L_fkd"), the teacher's last layer and the WordPiece padding mask. The
   weight is the platform's ``train.kd_alpha`` = α of ``L = α·L_NMT + (1 − α)·L_KD``, **the weight of the
   NMT term** (paper: α = 0.9). The public code (akibcmi/PLM-NMT, its label-smoothed criterion) puts its
   α on the KD term (default 0.1): the same objective, so its ``0.1`` is our ``train.kd_alpha=0.9``; it
   also scales L_MLM by its (1 − α), where Eq. 9 adds L_MLM outside the KD combination: we follow Eq. 9.
-  ``train.kd_alpha`` defaults to 1 (no KD): set 0.9 for the paper's objective. An idle teacher (``kd_alpha = 1``) is allowed, so the α sweep can include 1.
+  ``train.kd_alpha`` defaults to 1 (no KD): set 0.9 for the paper's objective. An idle teacher
+  (``kd_alpha = 1``) is allowed, so the α sweep can include 1.
 - **MLM** on the encoder (``model.mlm_loss``, Section 2.5): a masked copy of the WordPiece stream runs
   through the encoder BERT in a separate pass (the NMT pass reads the unmasked sentence, as the paper
   says); BERT's recipe, ``model.mlm_prob`` (15%) of the non-special positions, 80% [MASK] / 10% random /
-  10% kept. The prediction head (dense + GELU + LN, decoder tied to BERT's word embeddings) starts fresh:
-  :class:`~nmtcore.bert.BertLayer` loads BertModel without its pretraining heads. Returned as
+  10% kept (:func:`nmtcore.bert.mlm.mlm_corrupt`). The prediction head (dense + GELU + LN, decoder tied
+  to BERT's word embeddings) starts fresh: :class:`~nmtcore.bert.BertLayer` loads BertModel without its pretraining heads. Returned as
   ``mlm_loss``, a mean over masked positions.
 - **Target LM** L_T (Eq. 8, ``model.tgt_lm_loss``): the decoder alone (no source) predicts t_j from
   t_<j through the tied target embedding, on a random ``model.tgt_lm_fraction`` (10%) of the non-pad
-  target positions per batch (Bernoulli draws). Returned as ``tgt_lm_loss``, a mean over those positions.
-- Eq. 9, ``L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T``, is :func:`nmtcore.losses.training_loss`: every
+  target positions per batch (Bernoulli draws). Returned as ``target_lm_loss``, a mean over those positions.
+- Eq. 9, ``L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T``, is :func:`nmtcore.engine.losses.training_loss`: every
   term enters as a per-token mean with weight 1 (the trainer divides the summed NMT loss by its tokens).
 
 Table 3's ablations are these switches: ``model.mlm_loss``, ``model.tgt_lm_loss``, ``train.kd_alpha``
@@ -66,212 +68,32 @@ on IWSLT is not applied); target positions past the target BERT's table reuse it
 embedding; of ``model.tgt_bert`` only the name or size, ``freeze`` (default false: the decoder is
 fine-tuned), ``cache_dir`` and ``pretrain_*`` are read.
 
-FWET (Algorithm 1) is a preprocessing step (:func:`fwet_counts`, :func:`fwet_softmax`,
-:func:`fwet_matrix`, cached by :func:`build_fwet` / :func:`prepare_fwet`): run it once per (vocabulary,
-target BERT, corpus) and point ``model.fwet`` at the file. Token identity (Algorithm 1 lines 6 and 9)
-compares spellings: a SentencePiece piece ``▁Hund`` is spelled ``hund`` (the BERT's normaliser, e.g.
-lowercasing), a continuation piece ``e`` is ``##e``; the softmax of line 27 runs over the WordPieces
-an NMT subword co-occurred with (never over the whole WordPiece vocabulary); NMT subwords never seen keep
-their random init; pad / unk / bos / eos take [PAD] / [UNK] / [CLS] / [SEP].
+FWET (Algorithm 1) is a preprocessing step: :mod:`nmtcore.models.fwet`, run by :meth:`PlmSponsored.prepare`.
 
-A target BERT made here must exist before the model is built (``nmtcore bert-pretrain --layers 4
---hidden 256 --corpus multi30k --lang de``); :func:`nmtcore.bert.ensure_bert` prepares only ``model.bert``.
+The target BERT is resolved, or made here, by :meth:`PlmSponsored.prepare` before the model is built.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmtcore.bert import BertError, BertLayer, BertSpec, ResolvedBert, default_cache_dir, resolve_bert
-from nmtcore.config import BertConfig, ConfigError, ExperimentConfig, ModelConfig, check
-from nmtcore.layers import FeedForward, Residual, SelfAttention, SinusoidalPositions, attend, merge_heads, split_heads
-from nmtcore.models.base import DecoderState, EncoderOut, LayerCache, ModelOutput, NMTModel
+from nmtcore.bert import BertError, BertLayer, BertSpec, KDStates, ResolvedBert, ensure_bert, resolve_bert
+from nmtcore.bert.mlm import mlm_corrupt
+from nmtcore.config import ConfigError, ExperimentConfig, PlmSponsoredConfig
+from nmtcore.models.base import ModelOutput, NMTModel
+from nmtcore.models.fwet import prepare_fwet
+from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
+                        SinusoidalPositions, attend, merge_heads, split_heads)
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch, PreparedData
-    from nmtcore.tokenization import SubwordVocab
-
-# The platform's own German BERT (nmtcore.bert_pretrain) is the default target PLM (En→De Multi30k).
-DEFAULT_TGT_BERT = "pretrained-here:L4-H256:multi30k:de"
-
-
-@dataclass(frozen=True)
-class PlmSponsoredConfig(ModelConfig):
-    """Transformer fields (d_model, heads, ffn_dim, dropout: the coordinator's; decoder_layers: its depth)
-    plus the two BERTs and the loss switches of Table 3. See the module docstring."""
-
-    name: str = "plm_sponsored"
-    bert: BertConfig = field(default_factory=lambda: BertConfig(name="minilm", freeze=False))
-    tgt_bert: BertConfig = field(default_factory=lambda: BertConfig(name=DEFAULT_TGT_BERT, freeze=False))
-    encoder_gate: bool = True  # Eq. 6 gate + FFN + LN over h_M, h_{M/2}; false: r_S = h_M
-    kd_teacher: bool = True  # build the frozen source-BERT teacher (needed for train.kd_alpha < 1)
-    kd_layer: str = "half"  # student state of Eq. 4: "half" = h_{M/2}; "full" = h_M (Table 3's L_fkd)
-    mlm_loss: bool = True  # L_MLM on the encoder (Eq. 9)
-    mlm_prob: float = 0.15  # fraction of WordPieces masked for L_MLM
-    tgt_lm_loss: bool = True  # L_T on the decoder (Eq. 8-9)
-    tgt_lm_fraction: float = 0.1  # fraction of target tokens L_T is computed on
-    fwet: str = ""  # FWET embedding file (build_fwet / prepare_fwet); "" = random target embeddings
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.bert.enabled, "model.bert.name",
-              f"{self.name} needs a source BERT: set model.bert.name (e.g. minilm) or model.bert.layers/hidden")
-        check(self.tgt_bert.enabled, "model.tgt_bert.name",
-              f"{self.name} needs a target BERT: set model.tgt_bert.name (e.g. {DEFAULT_TGT_BERT})")
-        check(not self.pre_norm, "model.pre_norm", f"{self.name}'s coordinator is post-norm (Eq. 2); set it to false")
-        check(self.kd_layer in ("half", "full"), "model.kd_layer", f"must be 'half' or 'full', got {self.kd_layer!r}")
-        check(0.0 < self.mlm_prob < 1.0, "model.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
-        check(0.0 < self.tgt_lm_fraction <= 1.0, "model.tgt_lm_fraction",
-              f"must be in (0, 1], got {self.tgt_lm_fraction}")
-        check(not (self.bert.freeze and (self.mlm_loss or self.kd_teacher)), "model.bert.freeze",
-              f"{self.name} fine-tunes its source BERT for L_MLM and L_KD: set model.bert.freeze=false, or turn "
-              "model.mlm_loss and model.kd_teacher off")
-
-
-# ---------------------------------------------------------------------- FWET (Algorithm 1)
-def fwet_counts(pairs: Iterable[tuple[Sequence[Hashable], Sequence[Hashable]]],
-                same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> dict[Hashable, dict[Hashable, float]]:
-    """Algorithm 1, lines 1-25: ``dic^N`` from (NMT tokens, PLM tokens) of every sentence.
-
-    Equal tokens are peeled off both ends (+1 each; first from the front, then from the back), and every
-    remaining NMT token co-occurs with every remaining PLM token with weight ``w = len(S^P)/len(S^N)``.
-    ``same(n, p)`` decides token identity (default ``==``). Returns ``{n: {p: count}}``.
-    """
-    dic: dict[Hashable, dict[Hashable, float]] = {}
-
-    def add(n: Hashable, p: Hashable, w: float) -> None:
-        row = dic.setdefault(n, {})
-        row[p] = row.get(p, 0.0) + w
-
-    for nmt, plm in pairs:
-        n, p = list(nmt), list(plm)
-        i, j, a, b = 0, len(n), 0, len(p)  # the windows n[i:j], p[a:b] still to match
-        while i < j and a < b:
-            if same(n[i], p[a]):  # lines 6-8
-                add(n[i], p[a], 1.0)
-                i, a = i + 1, a + 1
-            elif same(n[j - 1], p[b - 1]):  # lines 9-11
-                add(n[j - 1], p[b - 1], 1.0)
-                j, b = j - 1, b - 1
-            else:
-                break
-        if i == j or a == b:  # lines 16-18
-            continue
-        w = (b - a) / (j - i)  # line 19
-        for x in n[i:j]:  # lines 20-24
-            for y in p[a:b]:
-                add(x, y, w)
-    return dic
-
-
-def fwet_softmax(dic: dict[Hashable, dict[Hashable, float]]) -> dict[Hashable, dict[Hashable, float]]:
-    """Line 27's weights: for each NMT token, a softmax over the counts of the PLM tokens it co-occurred with."""
-    out = {}
-    for n, row in dic.items():
-        keys = list(row)
-        w = torch.softmax(torch.tensor([row[k] for k in keys], dtype=torch.float64), dim=0).tolist()
-        out[n] = dict(zip(keys, w))
-    return out
-
-
-def fwet_matrix(weights: dict[int, dict[int, float]], plm_embeddings: Tensor, init: Tensor) -> Tensor:
-    """Line 27: ``E^N(k) = Σ_p softmax(dic^N(k))_p · E^P(p)`` for every NMT id ``k`` in ``weights``; the
-    other rows of ``init`` (V, H) are kept. plm_embeddings: (V_P, H). Returns (V, H) float32."""
-    out = init.detach().clone().float()
-    emb = plm_embeddings.detach().float()
-    for k, row in weights.items():
-        ids = torch.tensor(list(row), dtype=torch.long)
-        w = torch.tensor(list(row.values()), dtype=torch.float32)
-        out[k] = w @ emb[ids]  # (H,)
-    return out
-
-
-def wordpiece_spelling(piece: str, normalize: Callable[[str], str] = lambda s: s) -> str:
-    """A SentencePiece piece spelled as a WordPiece: ``▁Hund`` → ``normalize("Hund")``, ``e`` → ``##e``;
-    a bare ``▁`` stays ``▁`` (no WordPiece is spelled so)."""
-    if piece.startswith("\u2581"):
-        return normalize(piece[1:]) if len(piece) > 1 else piece
-    return "##" + normalize(piece)
-
-
-def fwet_from_corpus(vocab: "SubwordVocab", resolved: ResolvedBert, lines: Sequence[str],
-                     init_std: float = 0.02, seed: int = 0) -> tuple[Tensor, int]:
-    """FWET of ``vocab`` from the WordPiece embeddings of ``resolved`` over raw target ``lines``.
-
-    Returns the (V, H) table and how many NMT subwords it covers (the rest keep a N(0, init_std) init).
-    """
-    tokenizer = resolved.load_tokenizer()
-    backend = tokenizer.backend_tokenizer
-    normalizer = backend.normalizer
-    normalize = normalizer.normalize_str if normalizer is not None else (lambda s: s)
-    pieces = [vocab.sp.id_to_piece(i) for i in range(len(vocab))]
-    spelling = [wordpiece_spelling(p, normalize) for p in pieces]
-
-    def pairs() -> Iterable[tuple[list[int], list[tuple[int, str]]]]:
-        nmt = vocab.encode_many(lines)
-        for ids, enc in zip(nmt, backend.encode_batch(list(lines), add_special_tokens=False)):
-            yield ids.tolist(), list(zip(enc.ids, enc.tokens))
-
-    dic = fwet_counts(pairs(), same=lambda n, p: spelling[n] == p[1])
-    weights: dict[int, dict[int, float]] = {n: {p[0]: w for p, w in row.items()}
-                                           for n, row in fwet_softmax(dic).items()}
-    specials = {vocab.pad_id: tokenizer.pad_token_id, vocab.bos_id: tokenizer.cls_token_id,
-                vocab.eos_id: tokenizer.sep_token_id, vocab.sp.unk_id(): tokenizer.unk_token_id}
-    for n, p in specials.items():
-        if p is not None:
-            weights[n] = {p: 1.0}
-    plm = resolved.load_model().get_input_embeddings().weight  # (V_P, H)
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(len(vocab), plm.size(1), generator=gen) * init_std
-    return fwet_matrix(weights, plm, init), len(weights)
-
-
-def build_fwet(vocab: "SubwordVocab", tgt_bert: BertConfig, lines: Sequence[str],
-               cache_dir: str | os.PathLike | None = None) -> Path:
-    """The FWET table of ``vocab`` for ``tgt_bert`` over ``lines``, computed once and cached under
-    ``cache_dir/fwet/<key>.pt`` (key: vocabulary checksum, BERT location and weight files, corpus)."""
-    resolved = resolve_bert(BertSpec.from_config(tgt_bert), cache_dir=tgt_bert.cache_dir or None,
-                            pretrain_corpus=tgt_bert.pretrain_corpus, pretrain_steps=tgt_bert.pretrain_steps)
-    h = hashlib.sha256()
-    h.update(json.dumps({"vocab": vocab.checksum, "bert": str(resolved.path), "algo": "fwet-v1"}).encode())
-    for f in sorted(resolved.path.iterdir()):
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for line in lines:
-        h.update(line.encode("utf-8") + b"\n")
-    root = Path(cache_dir).expanduser().resolve() if cache_dir else default_cache_dir()
-    path = root / "fwet" / f"{h.hexdigest()[:24]}.pt"
-    if path.is_file():
-        return path
-    table, covered = fwet_from_corpus(vocab, resolved, lines)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".fwet-", suffix=".pt", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        torch.save({"embeddings": table, "covered": covered, "bert": str(resolved.spec), "vocab": vocab.checksum}, f)
-    os.replace(tmp, path)  # atomic: concurrent trials never read half a file
-    return path
-
-
-def prepare_fwet(cfg: ExperimentConfig, data: "PreparedData") -> ExperimentConfig:
-    """``cfg`` with ``model.fwet`` pointing at the FWET table of the training split's target side
-    (cached; a no-op when ``model.fwet`` is already set). Call before building the model."""
-    if not isinstance(cfg.model, PlmSponsoredConfig) or cfg.model.fwet:
-        return cfg
-    path = build_fwet(data.vocab, cfg.model.tgt_bert, data.train.raw_tgt, cfg.data.resolved_cache_dir())
-    return cfg.with_overrides({"model.fwet": str(path)})
-
 
 # ---------------------------------------------------------------------- the target BERT, causal
 class CausalBertLayer(nn.Module):
@@ -323,7 +145,7 @@ class TargetBertDecoder(nn.Module):
         if fwet:
             if not Path(fwet).is_file():
                 raise ConfigError(f"model.fwet: {fwet} does not exist; build it with "
-                                  "nmtcore.models.plm_sponsored.prepare_fwet (or set model.fwet='')")
+                                  "nmtcore.models.fwet.prepare_fwet (or set model.fwet='')")
             table = torch.load(fwet, map_location="cpu", weights_only=True)["embeddings"]
             if tuple(table.shape) != (vocab_size, h):
                 raise ConfigError(f"model.fwet: {fwet} holds a {tuple(table.shape)} table, the model needs "
@@ -418,18 +240,6 @@ class MLMHead(nn.Module):
         return F.linear(self.norm(F.gelu(self.dense(x))), self.word_embeddings[0].weight, self.bias)
 
 
-def mlm_corrupt(ids: Tensor, special: Tensor, prob: float, mask_id: int, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """BERT's masking: select ``prob`` of the non-special positions; of those 80% → [MASK], 10% → a random
-    WordPiece, 10% kept. ids/special (B, Tb). Returns (corrupted ids, selected (B, Tb) bool)."""
-    r = torch.rand(ids.shape, device=ids.device)
-    selected = (r < prob) & ~special
-    how = torch.rand(ids.shape, device=ids.device)
-    out = ids.masked_fill(selected & (how < 0.8), mask_id)
-    rand_ids = torch.randint(0, vocab_size, ids.shape, device=ids.device)
-    swap = selected & (how >= 0.8) & (how < 0.9)
-    return torch.where(swap, rand_ids, out), selected
-
-
 # ---------------------------------------------------------------------- the coordinator (Eq. 2-3)
 class CoordinatorAttention(nn.Module):
     """``Attention(r_{j−1}, r_all, r_all)`` with ``r_all = [r_S ; r_T ; r_{j−1}]`` (Eq. 2) under the mask
@@ -508,7 +318,9 @@ class CoordinatorLayer(nn.Module):
 # ---------------------------------------------------------------------- the model
 class PlmSponsored(NMTModel):
     """Source BERT encoder (+ Eq. 6), causal target-BERT decoder, coordinator (Eq. 2-3); see the module
-    docstring for the losses it returns as extras."""
+    docstring for the losses it returns while training."""
+
+    idle_kd_teacher_allowed: ClassVar[bool] = True  # Table 3's "-L_kd" and the α sweep's α = 1
 
     def __init__(self, cfg: PlmSponsoredConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__()
@@ -553,11 +365,8 @@ class PlmSponsored(NMTModel):
     def prepare(cls, cfg: ExperimentConfig, data: "PreparedData") -> ExperimentConfig:
         """Before the model is built (:func:`nmtcore.models.prepare_model_resources`): the target BERT
         resolved, or pretrained here when nothing answers (as ``ensure_bert`` does for the source BERT),
-        then the FWET table of the training split's target side (:func:`prepare_fwet`). Cached."""
-        from dataclasses import replace
-
-        from nmtcore.bert import ensure_bert
-
+        then the FWET table of the training split's target side (:func:`~nmtcore.models.fwet.prepare_fwet`).
+        Cached."""
         tb = cfg.model.tgt_bert
         if tb.layers > 0 and not tb.pretrain_corpus:  # a size made here learns the *target* side
             tb = replace(tb, pretrain_corpus=f"{cfg.data.corpus}:{cfg.data.tgt_lang}")
@@ -567,19 +376,16 @@ class PlmSponsored(NMTModel):
 
     # ------------------------------------------------------------------ groups (phases are data)
     @property
-    def own_kd_teacher(self) -> bool:
-        """Whether the frozen KD teacher was built (read by :func:`nmtcore.losses.check_kd`)."""
+    def has_kd_teacher(self) -> bool:
+        """Whether the frozen KD teacher was built (read by :func:`nmtcore.engine.losses.check_kd`)."""
         return self.teacher is not None
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` (source BERT), ``tgt_bert`` (the target BERT's layers and embeddings but the NMT word
         table), ``kd_teacher`` (frozen), ``nmt`` (everything else)."""
-        bert = list(self.bert.parameters())
         tgt = [p for n, p in self.decoder.named_parameters() if not n.startswith("word.")]
         teacher = list(self.teacher.parameters()) if self.teacher is not None else []
-        taken = {id(p) for p in bert + tgt + teacher}
-        return {"bert": bert, "tgt_bert": tgt, "kd_teacher": teacher,
-                "nmt": [p for p in self.parameters() if id(p) not in taken]}
+        return self.groups(bert=self.bert.parameters(), tgt_bert=tgt, kd_teacher=teacher)
 
     # ------------------------------------------------------------------ pieces
     def fuse_source(self, top: Tensor, half: Tensor) -> Tensor:
@@ -628,36 +434,34 @@ class PlmSponsored(NMTModel):
         enc_out = EncoderOut(out=self.src_proj(self.fuse_source(top, half)), mask=mask)
         r_t = self.decoder(batch.tgt_in)  # (B, T, H_tgt)
         h = self.run_coordinator(r_t, enc_out)  # (B, T, d)
-        extras: dict[str, Tensor] = {"enc_out": enc_out.out, "dec_hidden": h}
+        out = ModelOutput(logits=self.output_logits(h), enc_out=enc_out.out, dec_hidden=h)
         if self.training:  # the extra losses shape training only; validation loss stays L_NMT
-            extras.update(self.training_extras(batch, half, top, mask, r_t))
-        return ModelOutput(logits=self.output_logits(h), extras=extras)
+            self.add_training_losses(out, batch, half, top, mask, r_t)
+        return out
 
-    def training_extras(self, batch: "Batch", half: Tensor, top: Tensor, mask: Tensor,
-                        r_t: Tensor) -> dict[str, Tensor]:
-        """KD states (Eq. 4), ``mlm_loss`` and ``tgt_lm_loss`` (Eq. 8) for :func:`nmtcore.losses.training_loss`."""
+    def add_training_losses(self, out: ModelOutput, batch: "Batch", half: Tensor, top: Tensor, mask: Tensor,
+                            r_t: Tensor) -> None:
+        """KD states (Eq. 4), L_MLM and L_T (Eq. 8) into ``out`` for :func:`nmtcore.engine.losses.training_loss`."""
         cfg = self.cfg
         x = batch.extras
-        out: dict[str, Tensor] = {}
         if self.teacher is not None:
-            out["kd_hidden"] = half if cfg.kd_layer == "half" else top  # h_{M/2} (Eq. 4) or h_M (L_fkd)
-            out["kd_target"] = self.teacher(x["bert_ids"], mask, x["bert_segments"]).detach()  # r_plm
-            out["kd_mask"] = mask
+            out.kd = KDStates(student=half if cfg.kd_layer == "half" else top,  # h_{M/2} (Eq. 4) or h_M (L_fkd)
+                              teacher=self.teacher(x["bert_ids"], mask, x["bert_segments"]).detach(),  # r_plm
+                              mask=mask)
         if self.mlm_head is not None:
             ids = x["bert_ids"]
             enc = self.bert.encoder
             special = mask | ids.eq(enc.cls_id) | ids.eq(enc.sep_id)
-            corrupted, selected = mlm_corrupt(ids, special, cfg.mlm_prob, self.mask_token_id,
-                                              self.mlm_head.bias.numel())
+            corrupted, selected = mlm_corrupt(ids, special, self.mask_token_id, self.mlm_head.bias.numel(),
+                                              prob=cfg.mlm_prob, at_least_one=False)
             states = self.bert.run(corrupted, mask, x["bert_segments"])[-1]  # separate pass, h_M (B, Tb, H)
             logits = self.mlm_head(states[selected])  # (N, V_bert)
-            out["mlm_loss"] = _mean_nll(logits, ids[selected], states)
+            out.mlm_loss = _mean_nll(logits, ids[selected], states)
         if cfg.tgt_lm_loss:
             keep = batch.tgt_out.ne(self.pad_id) & (torch.rand(batch.tgt_out.shape, device=r_t.device)
                                                    < cfg.tgt_lm_fraction)  # (B, T)
             logits = F.linear(r_t[keep], self.decoder.word.weight)  # Eq. 8: p(t_j | t_<j), no source
-            out["tgt_lm_loss"] = _mean_nll(logits, batch.tgt_out[keep], r_t)
-        return out
+            out.target_lm_loss = _mean_nll(logits, batch.tgt_out[keep], r_t)
 
 
 def _mean_nll(logits: Tensor, target: Tensor, anchor: Tensor) -> Tensor:
@@ -667,5 +471,4 @@ def _mean_nll(logits: Tensor, target: Tensor, anchor: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), target)
 
 
-__all__ = ["PlmSponsoredConfig", "PlmSponsored", "fwet_counts", "fwet_softmax", "fwet_matrix", "fwet_from_corpus",
-           "build_fwet", "prepare_fwet", "wordpiece_spelling", "mlm_corrupt", "DEFAULT_TGT_BERT"]
+__all__ = ["PlmSponsored", "TargetBertDecoder", "CoordinatorAttention"]

@@ -8,7 +8,7 @@ measured against this one, and warm-starts from its checkpoints.
 With ``model.bert`` set, the baseline distils from that BERT when ``train.kd_alpha < 1`` (CTNMT;
 PLM-sponsored NMT Eq. 4-5): :class:`~nmtcore.bert.BertKD` projects the top (or M/2) encoder state to
 BERT's width and ``forward`` returns it with the teacher's states as extras for
-:func:`nmtcore.losses.training_loss`.
+:func:`nmtcore.engine.losses.training_loss`.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtcore.bert import BertKD
 from nmtcore.config import ModelConfig
-from nmtcore.layers import DecoderLayer, EncoderLayer, SinusoidalPositions
-from nmtcore.models.base import DecoderState, EncoderOut, ModelOutput, NMTModel
+from nmtcore.models.base import ModelOutput, NMTModel
+from nmtcore.nn import DecoderLayer, DecoderState, EncoderLayer, EncoderOut, SinusoidalPositions
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
 
 
 class Transformer(NMTModel):
+    """The baseline; the BERT families subclass it and replace ``encode`` / ``run_decoder`` (and the layer
+    stacks), keeping its embeddings, output layer and parameter names, and its ``forward``."""
+
     # What ``model.bert`` is to this class: "teacher" = a KD teacher only (the baseline: CTNMT-style
     # distillation, nmtcore.bert.BertKD; it never enters encode(), so decoding is unchanged); "input" = a
     # family that fuses BERT and owns its BertLayer itself.
@@ -93,11 +95,19 @@ class Transformer(NMTModel):
         state.step += prev_tokens.size(1)
         return self.output_logits(h[:, -1])  # (B, V)
 
+    @property
+    def has_kd_teacher(self) -> bool:
+        return self.kd is not None
+
     def forward(self, batch: "Batch") -> ModelOutput:
-        states = self.run_encoder(batch)
-        enc_out = EncoderOut(out=states[-1], mask=batch.src_mask)
+        """Teacher-forced logits; while training with a KD teacher also the KD states (validation loss stays
+        L_NMT). Shared by every family that keeps the baseline's decoder interface."""
+        kd = None
+        if self.kd is not None and self.training:
+            states = self.run_encoder(batch)
+            enc_out = EncoderOut(out=states[-1], mask=batch.src_mask)
+            kd = self.kd(batch, states[self.kd.student_layer])
+        else:
+            enc_out = self.encode(batch)
         h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
-        extras = {"enc_out": enc_out.out, "dec_hidden": h}
-        if self.kd is not None and self.training:  # KD shapes training only; validation loss stays L_NMT
-            extras.update(self.kd(batch, states[self.kd.student_layer]))
-        return ModelOutput(logits=self.output_logits(h), extras=extras)
+        return ModelOutput(logits=self.output_logits(h), enc_out=enc_out.out, dec_hidden=h, kd=kd)

@@ -1,0 +1,215 @@
+"""``nmtcore`` command line: train, translate, evaluate, report, bert-pretrain.
+
+Every error a user can cause (bad config key, missing data, corrupt checkpoint...) ends as one line on
+stderr and exit status 2; tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from nmtcore.cli.errors import USER_ERRORS
+from nmtcore.config import PRESETS, ConfigError, ExperimentConfig, parse_overrides, preset
+
+
+def _experiment_config(args: argparse.Namespace) -> ExperimentConfig:
+    cfg = ExperimentConfig.from_yaml(args.config) if args.config else preset(args.preset)
+    overrides: dict[str, Any] = parse_overrides(args.set or [])
+    if args.data_dir:
+        overrides["data.data_dir"] = str(Path(args.data_dir).resolve())
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    return cfg.with_overrides(overrides) if overrides else cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from nmtcore import tracking
+    from nmtcore.engine import run_experiment
+    from nmtcore.tracking.callback import TrackingCallback
+
+    cfg = _experiment_config(args)
+    # Before the MLflow run starts and before any data is read: a run that cannot save fails at once.
+    check_writable_dir(cfg.output_dir, "output_dir")
+    if cfg.train.save_dir:
+        check_writable_dir(cfg.train.save_dir, "train.save_dir")
+    if args.no_track:
+        summary = run_experiment(cfg, resume=not args.no_resume)
+    else:
+        # The tracker ends the run FAILED (reason tagged) if training raises, FINISHED otherwise.
+        with tracking.Tracker(tracking_uri=args.tracking_uri, experiment=args.experiment or cfg.name,
+                              run_name=args.run_name) as tracker:
+            summary = run_experiment(cfg, callbacks=[TrackingCallback(tracker, cfg)], resume=not args.no_resume)
+    out = summary.to_dict()
+    if not args.no_track:
+        out.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.tracking_uri)
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from nmtcore.files import atomic_write_bytes
+    from nmtcore.data import decode_lines, read_lines
+    from nmtcore.decoding import load_translator
+
+    if args.output != "-":
+        if Path(args.output).is_dir():
+            raise ConfigError(f"--output: {args.output} is a directory")
+        check_writable_dir(Path(args.output).absolute().parent, "--output")
+    # Undecodable input is a one-line error naming the file and line, not a traceback.
+    lines = decode_lines(sys.stdin.buffer.read(), "<stdin>") if args.input == "-" else read_lines(Path(args.input))
+    translator = load_translator(Path(args.checkpoint), overrides=parse_overrides(args.set or []))
+    text = "".join(hyp + "\n" for hyp in translator.translate(lines))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:  # written whole or not at all: a failed run never leaves half a file of hypotheses
+        atomic_write_bytes(Path(args.output), text.encode("utf-8"))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from nmtcore import bleu
+    from nmtcore.data import DataError, read_lines
+
+    for path in (args.hyp, args.ref):
+        read_lines(Path(path))  # a missing or undecodable file: one line naming it (and the line)
+    try:
+        scores = bleu.evaluate_files(args.hyp, args.ref)
+    except ValueError as e:  # the files' line counts differ (both named)
+        raise DataError(str(e)) from None
+    print(json.dumps(scores, indent=2))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from nmtcore import tracking
+    from nmtcore.sweep import report
+
+    rep = report.build_report(args.sweep, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap)
+    files = report.write_report(rep, Path(args.out or Path("reports") / rep.sweep).resolve())
+    if not args.no_log:
+        tracking.log_run_artifacts(rep.parent_run_id, files, "report", rep.tracking_uri)
+    print(report.render_markdown(rep))
+    print("\n".join(f"wrote {f}" for f in files))
+    if not args.no_log:
+        print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
+    return 0
+
+
+def cmd_bert_pretrain(args: argparse.Namespace) -> int:
+    from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
+    from nmtcore.bert.pretrain import pretrain_bert
+    from nmtcore.config import DataConfig
+
+    spec = PretrainSpec(args.layers, args.hidden, args.corpus, args.lang, args.steps or DEFAULT_STEPS, args.seed,
+                        args.vocab_size, args.max_length)
+    data_cfg = DataConfig(corpus=args.corpus, data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else "",
+                          cache_dir=args.cache_dir or "", download=not args.no_download)
+    result = pretrain_bert(spec, data_cfg, threads=args.threads or None, force=args.force, progress=print)
+    print(json.dumps({"name": result.name, "path": str(result.path), "cached": result.cached,
+                      **result.metrics}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nmtcore", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one experiment, decode its test sets, log to MLflow")
+    t.add_argument("--preset", default="multi30k_small", choices=sorted(PRESETS))
+    t.add_argument("--config", help="YAML experiment config (instead of --preset)")
+    t.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-3")
+    t.add_argument("--data-dir", help="directory holding the corpora (default: $NMTCORE_DATA)")
+    t.add_argument("--output-dir")
+    t.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    t.add_argument("--experiment", help="MLflow experiment name (default: the config's name)")
+    t.add_argument("--run-name")
+    t.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in the output dir")
+    t.set_defaults(func=cmd_train)
+
+    tr = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
+    tr.add_argument("--checkpoint", required=True)
+    tr.add_argument("--input", default="-")
+    tr.add_argument("--output", default="-")
+    tr.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="decode overrides, e.g. decode.beam=1")
+    tr.set_defaults(func=cmd_translate)
+
+    ev = sub.add_parser("evaluate", help="sacreBLEU and chrF of a hypothesis file against references")
+    ev.add_argument("--hyp", required=True)
+    ev.add_argument("--ref", required=True)
+    ev.set_defaults(func=cmd_evaluate)
+
+    rp = sub.add_parser("report", help="a sweep's table and figures, from MLflow alone")
+    rp.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    rp.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    rp.add_argument("--out", help="output folder (default: reports/<sweep>)")
+    rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
+    rp.add_argument("--no-log", action="store_true", help="do not attach the report to the parent run")
+    rp.set_defaults(func=cmd_report)
+
+    bp = sub.add_parser("bert-pretrain", help="masked-LM pretraining of a BERT of any size L x H on one side of a "
+                                              "corpus (cached; resolves as pretrained-here:L<L>-H<H>:<corpus>:<lang>)")
+    bp.add_argument("--layers", type=int, required=True, help="L, number of Transformer layers")
+    bp.add_argument("--hidden", type=int, required=True, help="H, hidden size (a multiple of 64; H/64 heads)")
+    bp.add_argument("--corpus", default="multi30k", help="registered corpus (default: multi30k)")
+    bp.add_argument("--lang", default="en", help="which side of it (default: en)")
+    bp.add_argument("--steps", type=int, help="MLM updates (default: model.bert.pretrain_steps' default)")
+    bp.add_argument("--seed", type=int, default=1)
+    bp.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size")
+    bp.add_argument("--max-length", type=int, default=128, help="BERT positions")
+    bp.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    bp.add_argument("--data-dir", help="directory holding the corpora (default: $NMTCORE_DATA)")
+    bp.add_argument("--cache-dir", help="cache root (default: $NMTCORE_CACHE or ~/.cache/nmtcore)")
+    bp.add_argument("--no-download", action="store_true", help="never download the corpus")
+    bp.add_argument("--force", action="store_true", help="pretrain again even if the result is cached")
+    bp.set_defaults(func=cmd_bert_pretrain)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Schedulers stop jobs with SIGTERM; turn it into KeyboardInterrupt so the MLflow run ends KILLED
+    # (not left RUNNING) and checkpoints already written stay the resume point.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+
+
+def check_writable_dir(path: str | os.PathLike, key: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``key`` unless directory ``path`` exists or can be
+    created, and is writable.
+
+    Probes with a real write (a temporary directory in the nearest existing ancestor, removed at once):
+    as root, permission bits say nothing (``/proc``, read-only mounts), and the probe leaves nothing behind.
+    """
+    target = Path(path).expanduser().absolute()
+    ancestor = target
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor == target and not target.is_dir():
+        raise ConfigError(f"{key}: {target} is not a directory")
+    if not ancestor.is_dir():
+        raise ConfigError(f"{key}: cannot create directory {target}: {ancestor} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nmtcore-write-check-", dir=ancestor))
+    except OSError as e:
+        where = "" if ancestor == target else f" (cannot create it in {ancestor})"
+        raise ConfigError(f"{key}: directory {target} is not writable{where}: {e.strerror or e}") from None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum}")

@@ -1,0 +1,158 @@
+"""The command line every sweep entry point shares (``sweeps/<study>.py`` only names its study).
+
+    python sweeps/<study>.py [--variant V] [--smoke-test] [--resume] [--address HOST:PORT]
+                             [--tracking-uri URI] [--data-dir DIR] [--seeds N] [--max-concurrent N] ...
+
+Default: a local Ray cluster (dashboard on 127.0.0.1), a local sqlite MLflow store, Ray results under
+``./runs/sweeps/<name>``. ``--smoke-test``: the tiny synthetic task and at most 2 trials, with Ray results
+and MLflow in a temporary directory unless given. How the base experiment is made, in order: the preset (or
+``--config``), the study's defaults (its BERT...), the variant's budget (real runs only), the data
+directory, then the user's ``--set``, which wins. Errors a user can fix end as one line and exit status 2.
+
+The flags of :class:`~nmtcore.sweep.settings.SweepSettings` are generated from its fields (their ``help``
+metadata), so the command line and the settings cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+import time
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def build_parser(description: str, study: str, variants: Sequence[str], default_variant: str,
+                 variant_flag: str = "--variant") -> argparse.ArgumentParser:
+    """The parser of a study's entry point: experiment flags, then one flag per sweep setting."""
+    from nmtcore.sweep.settings import SweepSettings
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument(variant_flag, dest="variant", default=default_variant, choices=list(variants),
+                   help=f"which {study} variant to run")
+    p.add_argument("--smoke-test", action="store_true", help="tiny synthetic task, at most 2 trials, temp storage")
+    p.add_argument("--data-dir", help="corpus directory (default: $NMTCORE_DATA, else ../shared/data if present)")
+    p.add_argument("--model", help="model the study runs on (default: the search space's)")
+    p.add_argument("--preset", default="multi30k_small", help="base experiment preset")
+    p.add_argument("--config", help="base experiment YAML (instead of --preset)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="base config overrides (win over the study's defaults)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    hints = typing.get_type_hints(SweepSettings)
+    for f in dataclasses.fields(SweepSettings):
+        help_text = f.metadata.get("help")
+        if help_text is None:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        kind = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        if kind[0] is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            required = f.default is dataclasses.MISSING  # name, storage: the entry point fills them in
+            p.add_argument(flag, dest=f.name, type=kind[0], default=None if required else f.default, help=help_text)
+    return p
+
+
+def main(study: Any, args: argparse.Namespace) -> int:
+    """Run ``args.variant`` of ``study`` (a module of ``search_spaces``: ``STUDY``, ``SPACES``, ``DEFAULT``) as
+    ``args`` say; returns the exit status."""
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("NMTCORE_NO_PROGRESS", "1")
+    from nmtcore.cli.errors import USER_ERRORS
+
+    try:
+        return _run(study, args)
+    except USER_ERRORS as e:
+        print(f"{Path(sys.argv[0]).name}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+
+
+def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
+    """The arms' base experiment of a run of ``space`` as ``args`` say, the shared baseline's experiment
+    (None without a protocol), and the storage of a smoke test.
+
+    In order: the preset (or ``--config``; a smoke test's tiny synthetic task), the study's defaults, the data
+    directory, the arms' budget (real runs) or the baseline's, the user's ``--set`` (which wins), and for the
+    baseline the protocol's baseline model without BERT."""
+    from nmtcore.config import ExperimentConfig, parse_overrides, preset
+
+    user = parse_overrides(args.set)
+    smoke: dict[str, str] = {}
+    if args.smoke_test:
+        from nmtcore.testing.synthetic import tiny_experiment
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"nmtcore-smoke-{space.study}-"))
+        # A BERT made here for a smoke test needs only a few MLM steps.
+        study = tiny_experiment(tmp, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1,
+                                        "model.bert.pretrain_steps": 100, **space.defaults})
+        budget, baseline_budget = {}, {}
+        smoke = {"storage": str(tmp / "ray_results"), "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+                 "baseline_store": str(tmp / "baselines")}
+    else:
+        data_dir = args.data_dir or os.environ.get("NMTCORE_DATA") or (
+            str(SHARED_DATA) if (SHARED_DATA / "multi30k").is_dir() else "")
+        study = ExperimentConfig.from_yaml(args.config) if args.config else preset(args.preset)
+        study = study.with_overrides({**space.defaults, **({"data.data_dir": str(Path(data_dir).resolve())}
+                                                             if data_dir else {})})
+        budget = dict(space.budget)
+        baseline_budget = dict(space.protocol.baseline_budget) if space.protocol is not None else {}
+    base = study.with_overrides({**budget, **user})
+    baseline = None
+    if space.protocol is not None:
+        baseline = study.with_overrides({**baseline_budget, **user}).with_overrides(space.protocol.control_overrides())
+    return base, baseline, smoke
+
+
+def _run(study: Any, args: argparse.Namespace) -> int:
+    from nmtcore import tracking
+    from nmtcore.sweep.driver import run_sweep
+    from nmtcore.sweep.settings import SweepSettings, default_storage
+
+    space = study.SPACES[args.variant]
+    if args.model:
+        space = space.with_model(args.model)
+    if args.smoke_test:
+        space = space.shrunk(2)
+    base, baseline, smoke = base_experiment(space, args)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepSettings) if hasattr(args, f.name)}
+    values["name"] = args.name or f"{study.STUDY}-{args.variant}" + ("-smoke" if args.smoke_test else "")
+    values["storage"] = args.storage or smoke.get("storage") or default_storage()
+    values["tracking_uri"] = args.tracking_uri or smoke.get("tracking_uri")
+    values["baseline_store"] = args.baseline_store or smoke.get("baseline_store")
+    settings = SweepSettings(**values)
+    t0 = time.perf_counter()
+    result = run_sweep(space, base, settings, baseline=baseline)
+    print(f"\nsweep {result.name} {'INTERRUPTED' if result.interrupted else 'finished'} in "
+          f"{time.perf_counter() - t0:.0f} s: {len(result.trials)} trials "
+          f"({', '.join(f'{t.status}' for t in result.trials)})")
+    for t in result.trials:
+        nodes = ",".join(n[:8] for n in t.node_ids)
+        print(f"  {t.trial_id} {t.status:<10} run {t.run_id} nodes {nodes or '-'} {t.overrides}")
+    table = next((f for f in result.report_files if f.endswith("table.md")), None)
+    if table:
+        print("\n" + Path(table).read_text(encoding="utf-8"))
+    for f in result.report_files:
+        print(f"report: {f}")
+    print(f"MLflow parent run {result.parent_run_id} in {result.tracking_uri}\n"
+          f"  UI: {tracking.ui_command(result.tracking_uri)}\n"
+          f"  report again: nmtcore report --sweep {result.name} --tracking-uri {result.tracking_uri}")
+    if result.interrupted:
+        again = [a for a in sys.argv if a != "--resume"]
+        print(f"resume with: python {' '.join(again)} --resume" + ("" if args.name else f" --name {result.name}"))
+    return 1 if result.interrupted else 0
+
+
+def entry_point(study: Any, doc: str, variant_flag: str = "--variant") -> int:
+    """What ``sweeps/<study>.py`` runs: parse the command line for ``study`` (its ``search_spaces`` module)
+    and run it."""
+    parser = build_parser(doc.splitlines()[0], study.STUDY, list(study.SPACES), study.DEFAULT, variant_flag)
+    return main(study, parser.parse_args())

@@ -1,0 +1,279 @@
+"""The typed, frozen, validated sections of an experiment: data, BERT, model, phases, training, decoding.
+
+Every knob lives in a frozen dataclass whose ``__post_init__`` checks ranges and raises a one-line
+:class:`ConfigError` naming the key, so a bad value never trains. The model families extend
+:class:`ModelConfig` in :mod:`nmtcore.config.families`; :mod:`nmtcore.config.experiment` assembles the
+sections and owns the one override engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+from pathlib import Path
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, mistyped or out of range (message names the key)."""
+
+
+def check(cond: bool, key: str, msg: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``key`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def check_unit_interval(value: float, key: str) -> None:
+    """Raise unless ``value`` is in [0, 1] (one line naming ``key``)."""
+    check(0.0 <= value <= 1.0, key, f"must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the parallel text comes from and how it is cut into batches.
+
+    A corpus is a directory of ``{split}.{lang}`` files (plain or ``.gz``). ``multi30k`` is found under
+    ``data_dir/multi30k`` or downloaded (checksum-verified) into the cache; ``parallel`` reads
+    ``data_dir`` as given. ``data_dir`` falls back to ``$NMTCORE_DATA``.
+    """
+
+    corpus: str = "multi30k"
+    data_dir: str = ""
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train_split: str = "train"
+    valid_split: str = "val"
+    test_splits: tuple[str, ...] = ("test_2016_flickr",)
+    vocab_size: int = 8000
+    # Moses clean-corpus-n semantics, applied to the training split only (counted in subwords):
+    # drop pairs with a side shorter than min_len or longer than max_len, or with a length ratio
+    # above max_len_ratio.
+    min_len: int = 1
+    max_len: int = 250
+    max_len_ratio: float = 9.0
+    max_tokens: int = 4096  # per batch, counting the longer side x sentences (padding included)
+    max_sentences: int = 0  # 0 = no cap
+    cache_dir: str = ""  # "" = $NMTCORE_CACHE or ~/.cache/nmtcore
+    download: bool = True
+
+    def __post_init__(self) -> None:
+        check(bool(self.corpus), "data.corpus", "must not be empty")
+        check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
+        check(self.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {self.vocab_size}")
+        check(self.min_len >= 0, "data.min_len", "must be >= 0")
+        check(self.max_len >= max(1, self.min_len), "data.max_len", "must be >= max(1, data.min_len)")
+        check(self.max_len_ratio >= 1.0, "data.max_len_ratio", "must be >= 1")
+        check(self.max_tokens > 0, "data.max_tokens", "must be > 0")
+        check(self.max_sentences >= 0, "data.max_sentences", "must be >= 0")
+
+    def resolved_data_dir(self) -> Path | None:
+        """``data_dir`` or ``$NMTCORE_DATA``, absolute; None if neither is set."""
+        d = self.data_dir or os.environ.get("NMTCORE_DATA", "")
+        return Path(d).expanduser().resolve() if d else None
+
+    def resolved_cache_dir(self) -> Path:
+        """``cache_dir`` or ``$NMTCORE_CACHE`` or ``~/.cache/nmtcore``, absolute."""
+        d = self.cache_dir or os.environ.get("NMTCORE_CACHE", "") or "~/.cache/nmtcore"
+        return Path(d).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """Which BERT a model consumes and how. Give ``name`` *or* a size ``layers`` × ``hidden``, never both.
+
+    ``name``: a local directory, a hub id (``bert-base-uncased``), ``minilm`` (the packaged
+    all-MiniLM-L6-v2) or ``pretrained-here:L4-H256:<corpus>:<lang>`` (made by ``nmtcore bert-pretrain``).
+    ``layers``/``hidden``: a size preset, resolved to Google's ``bert_uncased_L-{L}_H-{H}_A-{H/64}`` when
+    reachable, else to the platform's own pretrained BERT of that size. Empty = the model uses no BERT.
+    """
+
+    name: str = ""
+    layers: int = 0
+    hidden: int = 0
+    freeze: bool = True
+    dropout_when_frozen: bool = False  # the original BERT-fused code left it on; off = eval-mode BERT
+    use_cache: bool = True  # frozen-feature cache (bypassed automatically while BERT is fine-tuned)
+    max_length: int = 0  # 0 = the BERT's max positions
+    # BERT input: "none" = [CLS] sentence [SEP]; "previous" = [CLS] previous line [SEP] sentence [SEP] with
+    # segment ids 0/1 (document-level context, Eq. 2 of the context-encoder paper).
+    # On a document corpus (<d> markers) "previous" is the previous sentence of the same document (empty at a
+    # document start). The doc_context model builds its own context (model.context_type) and needs "none" here.
+    context: str = "none"
+    # Student state distilled from this BERT when train.kd_alpha < 1: the top encoder layer (CTNMT) or
+    # layer M/2 (PLM-sponsored NMT, Eq. 4).
+    kd_layer: str = "encoder_top"
+    # A size preset no published BERT answers is pretrained here (``nmtcore bert-pretrain``) on
+    # "<corpus>:<lang>" for pretrain_steps MLM updates; "" = the experiment's source side (nmtcore.bert.ensure_bert).
+    pretrain_corpus: str = ""
+    pretrain_steps: int = 1500
+    cache_dir: str = ""  # where platform-made BERTs live; "" = data.cache_dir's default ($NMTCORE_CACHE)
+
+    def __post_init__(self) -> None:
+        check(not (self.name and (self.layers or self.hidden)), "model.bert.name",
+              "give a BERT name or a size (model.bert.layers/hidden), never both")
+        check(self.layers >= 0 and self.hidden >= 0, "model.bert.layers", "must be >= 0")
+        check((self.layers > 0) == (self.hidden > 0), "model.bert.hidden",
+              "model.bert.layers and model.bert.hidden go together")
+        check(self.hidden % 64 == 0, "model.bert.hidden", f"must be a multiple of 64 (heads of 64), got {self.hidden}")
+        check(self.max_length == 0 or self.max_length >= 4, "model.bert.max_length",
+              f"must be 0 (the BERT's max positions) or >= 4, got {self.max_length}")
+        check(self.context in ("none", "previous"), "model.bert.context",
+              f"must be 'none' or 'previous', got {self.context!r}")
+        check(self.kd_layer in ("encoder_top", "encoder_half"), "model.bert.kd_layer",
+              f"must be 'encoder_top' or 'encoder_half', got {self.kd_layer!r}")
+        check(self.pretrain_corpus == "" or (self.pretrain_corpus.count(":") == 1
+                                             and all(self.pretrain_corpus.split(":"))),
+              "model.bert.pretrain_corpus", f"must be '<corpus>:<lang>' or empty, got {self.pretrain_corpus!r}")
+        check(self.pretrain_steps >= 1, "model.bert.pretrain_steps", f"must be >= 1, got {self.pretrain_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name or self.layers)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer hyper-parameters; every model family's config extends this one."""
+
+    # Whether a trained baseline Transformer's checkpoint initialises this family (its parameters extend the
+    # baseline's under the same names): the warm start of BERT-fused, document-context and mask fusion.
+    warm_starts_from_baseline: ClassVar[bool] = True
+
+    name: str = "transformer"
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_model: int = 512
+    ffn_dim: int = 2048
+    heads: int = 8
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: str = "relu"
+    pre_norm: bool = False
+    share_embeddings: bool = True
+    max_positions: int = 1024
+    bert: BertConfig = field(default_factory=BertConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("encoder_layers", "decoder_layers", "d_model", "ffn_dim", "heads", "max_positions"):
+            check(getattr(self, key) > 0, f"model.{key}", f"must be > 0, got {getattr(self, key)}")
+        check(self.d_model % self.heads == 0, "model.heads",
+              f"must divide model.d_model ({self.d_model} % {self.heads} != 0)")
+        check(self.d_model % 2 == 0, "model.d_model", "must be even (sinusoidal positions)")
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            check_unit_interval(getattr(self, key), f"model.{key}")
+            check(getattr(self, key) < 1.0, f"model.{key}", "must be < 1")
+        check(self.activation in ("relu", "gelu"), "model.activation",
+              f"must be 'relu' or 'gelu', got {self.activation!r}")
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    """One phase of a training schedule (BERT-JAM Section 2.4): which parameter groups train, for how long.
+
+    ``trainable``: names of the model's parameter groups (``model.parameter_groups()``, e.g. ``nmt``,
+    ``glu``, ``bert``) that receive gradients; every other group is frozen. ``epochs``: the phase's length;
+    0 = open-ended (until ``train.max_epochs`` or early stopping; last phase only). ``glu_scale``: the
+    factor the model multiplies its GLU output by (2 in BERT-JAM's phase 1, Eq. 11). ``early_stop``:
+    ``train.patience`` applies in this phase (counted from the phase's start). A frozen BERT is served
+    from the frozen-feature cache; a phase that trains ``bert`` bypasses it (the BERT layer follows
+    ``requires_grad``).
+    """
+
+    name: str = "main"
+    epochs: int = 0
+    trainable: tuple[str, ...] = ("nmt",)
+    glu_scale: float = 1.0
+    early_stop: bool = False
+
+    def __post_init__(self) -> None:
+        check(bool(self.name), "train.phases.name", "must not be empty")
+        check(self.epochs >= 0, f"train.phases[{self.name}].epochs", f"must be >= 0, got {self.epochs}")
+        check(len(self.trainable) > 0 and len(set(self.trainable)) == len(self.trainable),
+              f"train.phases[{self.name}].trainable", f"must be non-empty without repeats, got {self.trainable}")
+        check(self.glu_scale > 0, f"train.phases[{self.name}].glu_scale", f"must be > 0, got {self.glu_scale}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, checkpointing and stopping. fairseq semantics for the LR schedule."""
+
+    lr: float = 5e-4
+    warmup_updates: int = 4000
+    warmup_init_lr: float = 1e-7
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 = no clipping
+    update_freq: int = 1  # gradient accumulation steps per update
+    max_epochs: int = 10
+    max_updates: int = 0  # 0 = no limit
+    patience: int = 0  # early stopping on validation loss; 0 = off
+    seed: int = 1
+    precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    keep_last: int = 3  # epoch checkpoints kept on disk
+    average_last: int = 0  # average the last K epoch checkpoints at the end; 0 = off
+    valid_bleu: bool = True  # greedy-decode the validation set each epoch for BLEU
+    log_interval: int = 50
+    save_dir: str = ""  # "" = <experiment.output_dir>/checkpoints
+    # Knowledge distillation from BERT: L = kd_alpha·L_NMT + (1 − kd_alpha)·L_KD; 1.0 = no KD.
+    kd_alpha: float = 1.0
+    # Phase schedule (BERT-JAM's three phases); () = the model's default_phases() if it has one, else a
+    # single implicit phase that leaves requires_grad as the model set it. See PhaseConfig.
+    phases: tuple[PhaseConfig, ...] = ()
+    # Warm start: a trained checkpoint (e.g. the baseline's) whose matching weights initialise the model
+    # before training; new parameters (BERT attention) stay fresh. Ignored when resuming.
+    init_from: str = ""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        check(self.warmup_updates >= 0, "train.warmup_updates", "must be >= 0")
+        check(0 <= self.warmup_init_lr <= self.lr, "train.warmup_init_lr", "must be in [0, train.lr]")
+        check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+              f"must be two numbers in [0, 1), got {self.adam_betas}")
+        check(self.adam_eps > 0, "train.adam_eps", "must be > 0")
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        check(0 <= self.label_smoothing < 1, "train.label_smoothing", "must be in [0, 1)")
+        check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
+        check(self.update_freq >= 1, "train.update_freq", "must be >= 1")
+        check(self.max_epochs >= 1, "train.max_epochs", "must be >= 1")
+        check(self.max_updates >= 0, "train.max_updates", "must be >= 0")
+        check(self.patience >= 0, "train.patience", "must be >= 0")
+        check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
+              f"must be auto, fp32 or bf16, got {self.precision!r}")
+        check(self.num_threads >= 0, "train.num_threads", "must be >= 0")
+        check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
+        check(0 <= self.average_last <= self.keep_last, "train.average_last",
+              "must be in [0, train.keep_last]")
+        check(self.log_interval >= 1, "train.log_interval", "must be >= 1")
+        check_unit_interval(self.kd_alpha, "train.kd_alpha")
+        names = [p.name for p in self.phases]
+        check(len(set(names)) == len(names), "train.phases", f"phase names must be unique, got {names}")
+        check(all(p.epochs > 0 for p in self.phases[:-1]), "train.phases",
+              "only the last phase may be open-ended (epochs = 0)")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Beam search (fairseq length-penalty semantics: score / length ** lenpen)."""
+
+    beam: int = 5
+    lenpen: float = 1.0
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    min_len: int = 1
+    nbest: int = 1
+    max_sentences: int = 128
+    precision: str = "auto"
+
+    def __post_init__(self) -> None:
+        check(self.beam >= 1, "decode.beam", f"must be >= 1, got {self.beam}")
+        check(1 <= self.nbest <= self.beam, "decode.nbest", "must be in [1, decode.beam]")
+        check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
+              "max_len_a must be >= 0 and max_len_b >= 1")
+        check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        check(self.max_sentences >= 1, "decode.max_sentences", "must be >= 1")
+        check(self.precision in ("auto", "fp32", "bf16"), "decode.precision",
+              f"must be auto, fp32 or bf16, got {self.precision!r}")

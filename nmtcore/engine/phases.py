@@ -1,0 +1,74 @@
+"""Phases are data (BERT-JAM Section 2.4): a schedule of :class:`~nmtcore.config.PhaseConfig`
+(``train.phases``, else the model's :meth:`~nmtcore.models.NMTModel.default_phases`) that the trainer reads at
+epoch boundaries — which named parameter groups train, the GLU scale told to the model, early stopping."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from torch import nn
+
+from nmtcore.config import ConfigError, ExperimentConfig, PhaseConfig
+from nmtcore.models import NMTModel
+
+
+def schedule_of(cfg: ExperimentConfig, model: NMTModel) -> tuple[PhaseConfig, ...]:
+    """The phase schedule: ``train.phases``, else the model's ``default_phases()``, else () (one implicit
+    phase that leaves ``requires_grad`` as the model set it)."""
+    if cfg.train.phases:
+        return cfg.train.phases
+    phases = tuple(model.default_phases())
+    if phases:  # the model's schedule goes through the same validation as a configured one
+        dataclasses.replace(cfg.train, phases=phases)
+    return phases
+
+
+def phase_start(phases: tuple[PhaseConfig, ...], index: int) -> int:
+    """First epoch (1-based) of phase ``index``."""
+    return 1 + sum(p.epochs for p in phases[:index])
+
+
+def phase_index(phases: tuple[PhaseConfig, ...], epoch: int) -> int:
+    """The phase epoch ``epoch`` (1-based) belongs to (the last one past the schedule's end)."""
+    for i in range(len(phases)):
+        if phases[i].epochs == 0 or epoch < phase_start(phases, i) + phases[i].epochs:
+            return i
+    return len(phases) - 1
+
+
+def schedule_length(phases: tuple[PhaseConfig, ...]) -> float:
+    """Total epochs of the schedule; inf without one or with an open-ended last phase."""
+    if not phases or phases[-1].epochs == 0:
+        return math.inf
+    return sum(p.epochs for p in phases)
+
+
+def parameter_groups(model: NMTModel) -> dict[str, list[nn.Parameter]]:
+    """The model's named parameter groups (:meth:`~nmtcore.models.NMTModel.parameter_groups`), checked:
+    every parameter must be in exactly one group."""
+    groups = model.parameter_groups()
+    seen: dict[int, str] = {}
+    for name, params in groups.items():
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"parameter in groups {seen[id(p)]!r} and {name!r} of {type(model).__name__}")
+            seen[id(p)] = name
+    if len(seen) != len({id(p) for p in model.parameters()}):
+        raise ValueError(f"{type(model).__name__}.parameter_groups() leaves parameters out")
+    return groups
+
+
+def apply_phase(model: NMTModel, phase: PhaseConfig) -> dict[str, int]:
+    """Make exactly the groups ``phase.trainable`` trainable and tell the model (``set_phase``). Returns
+    trainable parameter counts per group."""
+    groups = parameter_groups(model)
+    unknown = sorted(set(phase.trainable) - set(groups))
+    if unknown:
+        raise ConfigError(f"train.phases[{phase.name}].trainable: unknown parameter group(s) {unknown}; "
+                          f"{type(model).__name__} has {sorted(groups)}")
+    for name, params in groups.items():
+        for p in params:
+            p.requires_grad_(name in phase.trainable)
+    model.set_phase(phase)
+    return {name: sum(p.numel() for p in params if p.requires_grad) for name, params in groups.items()}

@@ -1,0 +1,80 @@
+"""What a training run reports: typed results of :meth:`~nmtcore.engine.trainer.Trainer.fit` and of
+:func:`~nmtcore.engine.experiment.run_experiment` (plain data: no torch, JSON-ready with ``to_dict``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class FitResult:
+    """How :meth:`Trainer.fit` ended: epochs and updates done, why it stopped, the phase it ended in
+    (None without a schedule), the best epoch by validation loss."""
+
+    epochs: int
+    num_updates: int
+    stop_reason: str
+    phase: str | None
+    best_epoch: int
+    best_valid_loss: float
+    fit_wall_s: float
+
+
+@dataclass
+class TestScore:
+    """One test split decoded with ``cfg.decode``: sacreBLEU BLEU and chrF, where the hypotheses are, speed."""
+
+    __test__ = False  # not a pytest test class
+
+    bleu: float
+    chrf: float
+    signature: str
+    hyp_path: str
+    decode_wall_s: float
+    sentences_per_s: float
+
+
+@dataclass
+class WarmStartSummary:
+    """What a warm start loaded: the checkpoint, and how many tensors were loaded or left as built."""
+
+    source: str
+    loaded: int
+    fresh: int
+
+
+@dataclass
+class RunSummary:
+    """What :func:`run_experiment` returns (and the tracking callback logs)."""
+
+    fit: FitResult
+    resumed: bool
+    final_model: str
+    parameters: int
+    trainable_parameters: int
+    train_tokens_per_s: float
+    test: dict[str, TestScore] = field(default_factory=dict)
+    warm_start: WarmStartSummary | None = None
+
+    @property
+    def epochs(self) -> int:
+        return self.fit.epochs
+
+    @property
+    def stop_reason(self) -> str:
+        return self.fit.stop_reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready), the fit's fields at the top level."""
+        d = asdict(self)
+        return {**d.pop("fit"), **d}
+
+
+def still_improving(valid_losses: list[float], tolerance: float = 0.002) -> bool:
+    """Whether a run's validation loss was still falling at its last epoch: the last epoch is the best and
+    beat every earlier epoch by more than ``tolerance`` (relative). A run so flagged stopped before it
+    converged; a report says so instead of comparing it silently."""
+    if len(valid_losses) < 2:
+        return len(valid_losses) == 1
+    return valid_losses[-1] < min(valid_losses[:-1]) * (1.0 - tolerance)

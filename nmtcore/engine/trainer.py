@@ -1,0 +1,408 @@
+"""The model-agnostic training loop.
+
+The trainer sees a model only through the interface of :class:`~nmtcore.models.NMTModel`:
+``forward(batch) -> ModelOutput`` (and ``encode``/``decode_step`` via beam search for validation BLEU),
+plus its declared hooks for phases. The loss lives in :mod:`nmtcore.engine.losses`. It reports every
+epoch through :class:`Callback` objects, which is how MLflow tracking and a Ray worker drive the very same
+loop unchanged.
+
+fairseq semantics throughout: the summed loss of an update is divided by its number of target tokens,
+Adam + inverse-sqrt schedule with the rate set per update, token-budget batches reshuffled per epoch
+from ``(seed, epoch)``. Checkpoints hold everything needed to continue bit-identically: model,
+optimizer, update counter, early-stopping state and the torch RNG state (dropout). Phases are data
+(:mod:`nmtcore.engine.phases`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nmtcore import bleu
+from nmtcore.bert import prepare_bert_inputs
+from nmtcore.checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    epoch_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    remove_checkpoint,
+    save_checkpoint,
+)
+from nmtcore.config import DecodeConfig, ExperimentConfig, PhaseConfig
+from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate
+from nmtcore.decoding import translate_split
+from nmtcore.devices import autocast, autocast_dtype, default_device
+from nmtcore.engine.losses import check_kd, label_smoothed_nll, training_loss
+from nmtcore.engine.optim import InverseSqrtSchedule, build_optimizer
+from nmtcore.engine.phases import (
+    apply_phase,
+    phase_index,
+    phase_start,
+    schedule_length,
+    schedule_of,
+)
+from nmtcore.engine.summary import FitResult, RunSummary
+from nmtcore.models import NMTModel
+
+log = logging.getLogger("nmtcore.engine")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite; training stops rather than corrupting weights."""
+
+
+class Callback:
+    """Hooks the trainer calls; override what you need. ``metrics`` are plain floats."""
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        """Before the first epoch (after a resume: with the restored state)."""
+
+    def on_log(self, trainer: "Trainer", metrics: dict[str, float]) -> None:
+        """Every ``train.log_interval`` updates: running training figures."""
+
+    def on_epoch_end(self, trainer: "Trainer", epoch: int, metrics: dict[str, float],
+                     checkpoint: Path | None) -> None:
+        """After each epoch's validation and checkpoint (``None`` on ranks that do not write)."""
+
+    def on_train_end(self, trainer: "Trainer", summary: RunSummary) -> None:
+        """After testing, with the run's summary."""
+
+
+# ---------------------------------------------------------------------- the trainer
+@dataclass
+class TrainState:
+    """Counters that a checkpoint carries across a resume."""
+
+    epoch: int = 0  # last completed epoch
+    num_updates: int = 0
+    best_valid_loss: float = math.inf
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    """Trains one model on one prepared dataset as ``cfg.train`` says; :meth:`fit` runs the loop,
+    :meth:`finalize_model` loads the weights to test with."""
+
+    def __init__(self, cfg: ExperimentConfig, model: NMTModel, data: PreparedData,
+                 callbacks: list[Callback] | tuple[Callback, ...] = (), device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.device = device or default_device()
+        self.model = model.to(self.device)
+        # BERT hook (nmtcore.bert): a model owning a BertLayer gets its BERT stream (and, frozen, the cached
+        # features) on every split; KD without a teacher (or a teacher without KD) fails here.
+        prepare_bert_inputs(self.model, data)
+        check_kd(cfg.train, self.model)
+        self.callbacks = list(callbacks)
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.ddp_model: torch.nn.Module = self.model
+        self._wrap_ddp()
+        self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
+        self.schedule = InverseSqrtSchedule(cfg.train)
+        self.state = TrainState()
+        self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
+        self.phase_index = -1  # -1: the single implicit phase (no schedule)
+        if self.phases:
+            self.enter_phase(0)
+        self.save_dir = Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints").resolve()
+        self.train_tokens_per_s = 0.0
+
+    def _wrap_ddp(self) -> None:
+        if self.world_size > 1:  # (re)built after a phase change: DDP registers the trainable set once
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------ phases
+    def enter_phase(self, index: int) -> None:
+        """Switch to phase ``index``: set requires_grad per parameter group, tell the model
+        (``set_phase``), and rebuild the optimizer — its state is reset at a phase change, as the original
+        BERT-JAM code; the LR schedule's update counter carries over."""
+        phase = self.phases[index]
+        counts = apply_phase(self.model, phase)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.train)
+        self._wrap_ddp()
+        self.phase_index = index
+        log.info("phase %d/%d %r: trainable %s (%s parameters per group), glu_scale %g", index + 1,
+                 len(self.phases), phase.name, list(phase.trainable), counts, phase.glu_scale)
+
+    # ------------------------------------------------------------------ batches
+    def train_batches(self, epoch: int) -> Iterator[Batch]:
+        """The epoch's shuffled token-budget batches of the training split (this rank's share)."""
+        split = self.data.splits[self.cfg.data.train_split]
+        dc = self.cfg.data
+        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
+                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
+                                 bert_lens=split.bert_lens):
+            yield self.collate(split, idx)
+
+    def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
+        """Batches of ``split`` in length order, unshuffled."""
+        dc = self.cfg.data
+        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False,
+                                 bert_lens=split.bert_lens):
+            yield self.collate(split, idx)
+
+    def collate(self, split: EncodedSplit, idx: np.ndarray) -> Batch:
+        """The sentences ``idx`` of ``split`` as a padded batch on the trainer's device."""
+        v = self.data.vocab
+        return collate(split, idx, v.pad_id, v.bos_id, v.eos_id).to(self.device)
+
+    # ------------------------------------------------------------------ one update
+    def _grads(self) -> list[Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def train_step(self, batches: list[Batch]) -> dict[str, float]:
+        """One optimizer update over ``batches`` (gradient accumulation); returns summed statistics."""
+        self.ddp_model.train()
+        loss_sum = nll_sum = 0.0
+        n_tokens = 0
+        for i, batch in enumerate(batches):
+            sync = self.world_size == 1 or i == len(batches) - 1
+            ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
+            with ctx:
+                with autocast(self.amp_dtype, self.device):
+                    out = self.ddp_model(batch)
+                lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id)
+                lo.loss.backward()
+            loss_sum += lo.loss.item()
+            nll_sum += lo.nll.item()
+            n_tokens += lo.n_tokens
+        if not math.isfinite(loss_sum):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"non-finite training loss ({loss_sum}) at update {self.state.num_updates + 1}")
+        total = torch.tensor([n_tokens], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            # DDP averages gradients over ranks; rescale so the update is (Σ loss) / (Σ tokens).
+            dist.all_reduce(total)
+            scale = self.world_size / total.item()
+        else:
+            scale = 1.0 / max(total.item(), 1.0)
+        torch._foreach_mul_(self._grads(), scale)
+        if self.cfg.train.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
+        lr = self.schedule.apply(self.optimizer, self.state.num_updates)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.num_updates += 1
+        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "n_tokens": n_tokens, "lr": lr}
+
+    # ------------------------------------------------------------------ epochs
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        """One pass over the training batches; returns the epoch's training figures."""
+        tc = self.cfg.train
+        loss_sum = nll_sum = 0.0
+        n_tokens = 0
+        t0 = time.perf_counter()
+        pending: list[Batch] = []
+        bar = _progress(epoch, self.rank)
+        last_log = t0
+        for batch in self.train_batches(epoch):
+            pending.append(batch)
+            if len(pending) < tc.update_freq:
+                continue
+            stats = self.train_step(pending)
+            pending = []
+            loss_sum += stats["loss_sum"]
+            nll_sum += stats["nll_sum"]
+            n_tokens += stats["n_tokens"]
+            elapsed = time.perf_counter() - t0
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss_sum'] / max(stats['n_tokens'], 1) / math.log(2):.3f}",
+                                tok_s=f"{n_tokens / elapsed:.0f}", lr=f"{stats['lr']:.2e}", refresh=False)
+            if self.state.num_updates % tc.log_interval == 0:
+                metrics = {"train_loss": loss_sum / n_tokens / math.log(2), "lr": stats["lr"],
+                           "train_tokens_per_s": n_tokens / elapsed, "num_updates": self.state.num_updates}
+                if bar is None and time.perf_counter() - last_log > 0:
+                    log.info("epoch %d update %d loss %.3f lr %.2e %.0f tok/s", epoch, self.state.num_updates,
+                             metrics["train_loss"], stats["lr"], metrics["train_tokens_per_s"])
+                last_log = time.perf_counter()
+                for cb in self.callbacks:
+                    cb.on_log(self, metrics)
+            if tc.max_updates and self.state.num_updates >= tc.max_updates:
+                break
+        if pending and not (tc.max_updates and self.state.num_updates >= tc.max_updates):
+            stats = self.train_step(pending)  # the epoch's remainder is one smaller update
+            loss_sum += stats["loss_sum"]
+            nll_sum += stats["nll_sum"]
+            n_tokens += stats["n_tokens"]
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t0
+        self.train_tokens_per_s = n_tokens / wall if wall > 0 else 0.0
+        # Losses in base 2, as fairseq reports them.
+        return {"train_loss": loss_sum / max(n_tokens, 1) / math.log(2),
+                "train_nll": nll_sum / max(n_tokens, 1) / math.log(2),
+                "train_tokens": float(n_tokens), "train_wall_s": wall,
+                "train_tokens_per_s": self.train_tokens_per_s, "num_updates": float(self.state.num_updates)}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Teacher-forced validation loss (base 2, label-smoothed and plain NLL) and greedy BLEU."""
+        self.model.eval()
+        split = self.data.splits[self.cfg.data.valid_split]
+        loss_sum = nll_sum = 0.0
+        n_tokens = 0
+        t0 = time.perf_counter()
+        for batch in self.eval_batches(split):
+            with autocast(self.amp_dtype, self.device):
+                out = self.model(batch)
+            lo = label_smoothed_nll(out.logits, batch.tgt_out, self.cfg.train.label_smoothing, self.data.vocab.pad_id)
+            loss_sum += lo.loss.item()
+            nll_sum += lo.nll.item()
+            n_tokens += lo.n_tokens
+        nll = nll_sum / max(n_tokens, 1) / math.log(2)
+        metrics = {"valid_loss": loss_sum / max(n_tokens, 1) / math.log(2), "valid_nll": nll, "valid_ppl": 2**nll}
+        if self.cfg.train.valid_bleu:
+            greedy = DecodeConfig(**{**self.cfg.decode.__dict__, "beam": 1, "nbest": 1})
+            hyps = self.translate(split, greedy)
+            metrics["valid_bleu"] = bleu.corpus_bleu(hyps, split.raw_tgt).score
+        metrics["valid_wall_s"] = time.perf_counter() - t0
+        return metrics
+
+    def translate(self, split: EncodedSplit, dcfg: DecodeConfig | None = None) -> list[str]:
+        """Decode ``split`` with the current model; detokenized hypotheses in corpus order."""
+        return translate_split(self.model, split, self.data.vocab, dcfg or self.cfg.decode, self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """Everything a resume needs: weights, optimizer, config, vocabulary, counters, RNG state."""
+        s = self.state
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.cfg.to_dict(),
+            "vocab": self.data.vocab.to_tensor_payload(),
+            "train_state": {"epoch": s.epoch, "num_updates": s.num_updates, "best_valid_loss": s.best_valid_loss,
+                            "best_epoch": s.best_epoch, "bad_epochs": s.bad_epochs, "history": s.history},
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def save(self) -> Path | None:
+        """Write ``epoch{N}.pt`` (rank 0 only), then prune to ``keep_last``."""
+        if self.rank != 0:
+            return None
+        path = save_checkpoint(self.save_dir / f"epoch{self.state.epoch}.pt", self.checkpoint_payload())
+        for old in epoch_checkpoints(self.save_dir)[: -self.cfg.train.keep_last]:
+            if old.name != f"epoch{self.state.best_epoch}.pt":
+                remove_checkpoint(old)
+        return path
+
+    def resume(self) -> bool:
+        """Continue from the newest verifiable epoch checkpoint in ``save_dir``; False if none."""
+        for path in reversed(epoch_checkpoints(self.save_dir)):
+            ckpt = load_checkpoint(path)
+            self.restore(ckpt, str(path))
+            log.info("resumed from %s (epoch %d, %d updates)", path, self.state.epoch, self.state.num_updates)
+            return True
+        return False
+
+    def restore(self, ckpt: dict[str, Any], source: str) -> None:
+        """Load a checkpoint's state (weights, optimizer, counters, RNG), entering its phase first."""
+        if ckpt["vocab"]["checksum"] != self.data.vocab.checksum:
+            raise CheckpointError(f"{source}: vocabulary {ckpt['vocab']['checksum'][:12]} differs from this "
+                                  f"run's {self.data.vocab.checksum[:12]} (resume with the data settings that "
+                                  "wrote it, or --no-resume / a new output dir)")
+        ts = ckpt["train_state"]
+        if self.phases:  # the optimizer state saved belongs to the phase of the saved epoch
+            self.enter_phase(phase_index(self.phases, max(ts["epoch"], 1)))
+        load_model_weights(self.model, ckpt["model"], source)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.state = TrainState(epoch=ts["epoch"], num_updates=ts["num_updates"],
+                                best_valid_loss=ts["best_valid_loss"], best_epoch=ts["best_epoch"],
+                                bad_epochs=ts["bad_epochs"], history=list(ts["history"]))
+        torch.set_rng_state(ckpt["rng"]["torch"])
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> "FitResult":
+        """Train until max_epochs / max_updates / early stopping / the schedule's end."""
+        tc = self.cfg.train
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        t0 = time.perf_counter()
+        stop_reason = "max_epochs"
+        last_epoch = min(tc.max_epochs, schedule_length(self.phases))
+        while self.state.epoch < last_epoch:
+            if tc.max_updates and self.state.num_updates >= tc.max_updates:
+                stop_reason = "max_updates"
+                break
+            epoch = self.state.epoch + 1
+            if self.phases and phase_index(self.phases, epoch) != self.phase_index:
+                self.enter_phase(phase_index(self.phases, epoch))
+                # Early stopping and "best" restart with each phase: the final model comes from the last.
+                self.state.best_valid_loss, self.state.bad_epochs = math.inf, 0
+            metrics = self.train_epoch(epoch)
+            metrics.update(self.validate())
+            metrics["epoch"] = float(epoch)
+            if self.phases:
+                metrics["phase"] = float(self.phase_index + 1)
+            self.state.epoch = epoch
+            if metrics["valid_loss"] < self.state.best_valid_loss:
+                self.state.best_valid_loss, self.state.best_epoch, self.state.bad_epochs = metrics["valid_loss"], epoch, 0
+            else:
+                self.state.bad_epochs += 1
+            self.state.history.append(metrics)
+            path = self.save()
+            log.info("epoch %d: %s", epoch, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            for cb in self.callbacks:
+                cb.on_epoch_end(self, epoch, metrics, path)
+            early_stop = not self.phases or self.phases[self.phase_index].early_stop
+            if tc.patience and early_stop and self.state.bad_epochs >= tc.patience:
+                stop_reason = f"early_stopping(patience={tc.patience})"
+                break
+        else:
+            stop_reason = "max_epochs" if last_epoch == tc.max_epochs else "end_of_schedule"
+        if tc.max_updates and self.state.num_updates >= tc.max_updates:
+            stop_reason = "max_updates"
+        return FitResult(epochs=self.state.epoch, num_updates=self.state.num_updates, stop_reason=stop_reason,
+                         phase=self.phases[self.phase_index].name if self.phases else None,
+                         best_epoch=self.state.best_epoch, best_valid_loss=self.state.best_valid_loss,
+                         fit_wall_s=time.perf_counter() - t0)
+
+    def finalize_model(self) -> str:
+        """Load the weights used for testing: the average of the last ``average_last`` epoch checkpoints
+        if set, else the best epoch (lowest validation loss). Returns a description."""
+        ckpts = epoch_checkpoints(self.save_dir)
+        if self.phases:  # average within the last phase only (BERT-JAM: the last epochs of phase 3)
+            first = phase_start(self.phases, self.phase_index)
+            ckpts = [p for p in ckpts if int(p.stem.removeprefix("epoch")) >= first]
+        if self.cfg.train.average_last > 1 and len(ckpts) >= 2:
+            chosen = ckpts[-self.cfg.train.average_last:]
+            self.model.load_state_dict(average_checkpoints(chosen))
+            if self.rank == 0:
+                payload = self.checkpoint_payload()
+                payload.pop("optimizer")
+                save_checkpoint(self.save_dir / "averaged.pt", payload)
+            return f"average of {', '.join(p.name for p in chosen)}"
+        best = self.save_dir / f"epoch{self.state.best_epoch}.pt"
+        if best.is_file() and self.state.best_epoch != self.state.epoch:
+            load_model_weights(self.model, load_checkpoint(best)["model"], str(best))
+            return best.name
+        return f"epoch{self.state.epoch}.pt (last)"
+
+
+
+
+def _progress(epoch: int, rank: int):
+    if rank != 0 or not sys.stderr.isatty() or os.environ.get("NMTCORE_NO_PROGRESS"):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=f"epoch {epoch}", unit="upd", leave=False, dynamic_ncols=True)

@@ -1,0 +1,221 @@
+"""The shared converged baseline: trained once, stored by everything that determines its weights, reused by
+every study and sweep that needs the same one (the papers' procedure: BERT-fused, the document-context and
+the mask-fusion models start from a trained Transformer).
+
+A baseline lives in ``<root>/<key>/``::
+
+    run/           the training run's output directory (checkpoints: an interrupted training resumes there)
+    baseline.pt    the final weights with their config and vocabulary (what arms warm-start from)
+    meta.json      what it is and how it ended (written last: a baseline without it is not finished)
+    uses.jsonl     one line per sweep that used it
+
+``key`` hashes the weight-determining config (everything but output paths, thread count, logging and
+decoding), the data and vocabulary checksums, and the source of the code that trains a Transformer (its
+syntax tree without docstrings), so two configs that differ in any weight-determining field get two
+baselines and a code change retrains. Concurrent sweeps serialise on a lock; the second one reuses.
+Training it is a tracked run of its own (role ``baseline`` in MLflow, linked from each sweep's parent run).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from nmtcore import tracking
+from nmtcore.checkpoint import save_checkpoint
+from nmtcore.config import ExperimentConfig
+from nmtcore.data import prepare_data
+from nmtcore.engine import Callback, RunSummary, Trainer, run_experiment
+from nmtcore.engine.summary import still_improving
+from nmtcore.files import atomic_write_text, file_lock
+from nmtcore.sweep.lifecycle import ROLE_TAG
+from nmtcore.tracking.callback import TrackingCallback
+
+log = logging.getLogger("nmtcore.sweep")
+
+BASELINE_FORMAT = 1  # bump when the store's layout or the key's meaning changes
+KEY_TAG = "nmtcore.baseline_key"
+# Config keys that change no weight: where things are written, how many threads, logging, decoding.
+NOT_WEIGHTS = ("name", "output_dir", "train.save_dir", "train.num_threads", "train.log_interval",
+               "train.valid_bleu", "data.data_dir", "data.cache_dir", "data.download", "data.test_splits",
+               "model.bert.cache_dir")
+# The code that decides a baseline's weights (a Transformer trained by the engine on prepared data).
+CODE = ("nmtcore/models/base.py", "nmtcore/models/transformer.py", "nmtcore/nn", "nmtcore/engine", "nmtcore/data",
+        "nmtcore/devices.py", "nmtcore/checkpoint.py")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A finished baseline: its key, the weights to warm-start from, what it recorded, whether this call
+    trained it."""
+
+    key: str
+    path: Path
+    meta: Mapping[str, Any]
+    trained_now: bool
+
+    @property
+    def converged(self) -> bool:
+        """False when its validation loss was still falling at its last epoch."""
+        return bool(self.meta.get("converged", False))
+
+
+def code_digest() -> str:
+    """SHA-256 over the syntax trees (docstrings dropped) of the modules in :data:`CODE`."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    files = sorted(p for entry in CODE for p in ((root / entry).rglob("*.py") if (root / entry).is_dir()
+                                                   else [root / entry]))
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(getattr(body[0], "value", None), ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + ast.dump(tree).encode() + b"\0")
+    return h.hexdigest()
+
+
+def weight_config(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The flat config without the keys that change no weight (:data:`NOT_WEIGHTS`, the decode section)."""
+    return {k: v for k, v in cfg.flat().items() if k not in NOT_WEIGHTS and not k.startswith("decode.")}
+
+
+def baseline_key(cfg: ExperimentConfig, data_checksums: Mapping[str, str], code: str | None = None) -> str:
+    """The content address of the baseline ``cfg`` trains on data with these checksums (of the training and
+    validation files and the vocabulary: the test sets decide no weight)."""
+    splits = (cfg.data.train_split, cfg.data.valid_split)
+    data = {k: v for k, v in data_checksums.items() if k == "vocab" or k.rsplit(".", 1)[0] in splits}
+    blob = json.dumps({"format": BASELINE_FORMAT, "config": weight_config(cfg), "data": data,
+                       "code": code or code_digest()}, sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def default_root(cfg: ExperimentConfig) -> Path:
+    """``<data cache>/baselines`` (``$NMTCORE_CACHE`` or ``~/.cache/nmtcore``): shared by every study here."""
+    return cfg.data.resolved_cache_dir() / "baselines"
+
+
+def find_baseline(root: Path, key: str) -> Baseline | None:
+    """The finished baseline ``key`` under ``root``, or None."""
+    meta_path = Path(root) / key / "meta.json"
+    if not meta_path.is_file():
+        return None
+    return Baseline(key, Path(root) / key / "baseline.pt", json.loads(meta_path.read_text(encoding="utf-8")), False)
+
+
+def ensure_baseline(cfg: ExperimentConfig, root: str | Path | None = None, *, tracking_uri: str | None = None,
+                    experiment: str = "nmtcore-baselines", used_by: str = "",
+                    progress: Callable[[str], None] = print,
+                    callbacks: tuple[Callback, ...] = ()) -> Baseline:
+    """The baseline ``cfg`` trains: found in the store, or trained now (resuming an interrupted training),
+    tracked as its own MLflow run, stored, and returned. ``used_by`` is recorded in ``uses.jsonl``."""
+    root = Path(root) if root is not None else default_root(cfg)
+    data = prepare_data(cfg.data)
+    key = baseline_key(cfg, data.checksums)
+    found = find_baseline(root, key)
+    if found is None:
+        with file_lock(root / f"{key}.lock"):
+            found = find_baseline(root, key)  # a concurrent sweep may have finished it meanwhile
+            if found is None:
+                found = _train(cfg, root, key, data, tracking_uri, experiment, progress, callbacks)
+    else:
+        progress(f"baseline {key[:12]}: reused ({found.meta['fit']['epochs']} epochs, valid loss "
+                 f"{found.meta['fit']['best_valid_loss']:.4f}, trained {found.meta['created']})")
+    with open(root / key / "uses.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"used_by": used_by, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "trained_now": found.trained_now}) + "\n")
+    return found
+
+
+def uses(root: str | Path, key: str) -> list[dict[str, Any]]:
+    """Who used baseline ``key`` so far (oldest first)."""
+    path = Path(root) / key / "uses.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+
+
+class _Store(Callback):
+    """Saves the final weights (after testing: what ``finalize_model`` chose) with their config and vocab."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        save_checkpoint(self.path, {"model": trainer.model.state_dict(), "config": trainer.cfg.to_dict(),
+                                    "vocab": trainer.data.vocab.to_tensor_payload()})
+
+
+class EpochProgress(Callback):
+    """One console line per epoch: what trains, the epoch's validation loss, elapsed time and an ETA."""
+
+    def __init__(self, label: str, max_epochs: int, progress: Callable[[str], None] = print) -> None:
+        self.label, self.max_epochs, self.progress = label, max_epochs, progress
+        self.t0 = time.perf_counter()
+        self.first_epoch = 1
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.t0 = time.perf_counter()
+        self.first_epoch = trainer.state.epoch + 1
+        self.progress(f"{self.label}: training, epochs {self.first_epoch}..{self.max_epochs}"
+                      + (" (resumed)" if trainer.state.epoch else ""))
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float], checkpoint: Path | None) -> None:
+        done = epoch - self.first_epoch + 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.max_epochs - epoch)
+        self.progress(f"{self.label}: epoch {epoch}/{self.max_epochs} valid_loss {metrics['valid_loss']:.4f} "
+                      f"({_minutes(elapsed)} elapsed, about {_minutes(eta)} to go at most)")
+
+
+def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri: str | None, experiment: str,
+           progress: Callable[[str], None], callbacks: tuple[Callback, ...]) -> Baseline:
+    home = root / key
+    cfg = cfg.with_overrides({"output_dir": str(home / "run"), "train.save_dir": ""})
+    t0 = time.perf_counter()
+    label = f"baseline {key[:12]}"
+    old = tracking.search_runs(f"tags.`{KEY_TAG}` = '{key}'", tracking_uri) if _store_exists(tracking_uri) else []
+    tags = {ROLE_TAG: "baseline", KEY_TAG: key, "nmtcore.model": cfg.model.name}
+    tracker = (tracking.Tracker(tracking_uri, run_id=old[-1].run_id, tags=tags) if old else
+               tracking.Tracker(tracking_uri, experiment=experiment, run_name=f"baseline {cfg.model.name} {key[:8]}",
+                                tags=tags))
+    with tracker:
+        summary = run_experiment(cfg, callbacks=[TrackingCallback(tracker, cfg), EpochProgress(label, cfg.train.max_epochs,
+                                                                                               progress),
+                                                 _Store(home / "baseline.pt"), *callbacks],
+                                 resume=True, data=data)
+        history = [float(v) for _, v in tracking.get_run_metrics(tracker.run_id, tracker.tracking_uri)
+                   .get("valid_loss", [])]
+        meta = {"format": BASELINE_FORMAT, "key": key, "config": cfg.to_dict(), "weight_config": weight_config(cfg),
+                "data": dict(data.checksums), "code": code_digest(), "fit": summary.to_dict(),
+                "valid_losses": history, "converged": not still_improving(history),
+                "test": {k: {"bleu": v.bleu, "chrf": v.chrf} for k, v in summary.test.items()},
+                "wall_s": time.perf_counter() - t0, "mlflow_run_id": tracker.run_id,
+                "tracking_uri": tracker.tracking_uri, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tracker.set_tags({"nmtcore.converged": meta["converged"]})
+    atomic_write_text(home / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
+    progress(f"{label}: done in {_minutes(meta['wall_s'])}, {summary.epochs} epochs, valid loss "
+             f"{summary.fit.best_valid_loss:.4f}" + ("" if meta["converged"] else " (STILL IMPROVING at its last epoch)"))
+    return Baseline(key, home / "baseline.pt", meta, True)
+
+
+def _store_exists(tracking_uri: str | None) -> bool:
+    try:
+        tracking.search_runs("tags.`nmtcore.role` = 'baseline'", tracking_uri)
+        return True
+    except tracking.TrackingError:
+        return False
+
+
+def _minutes(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"

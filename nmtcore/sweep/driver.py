@@ -1,0 +1,288 @@
+"""Running a sweep end to end, in the driver process: check the plan, make what trials share, open the
+MLflow parent run, run the trials on the Ray backend, clean up, report.
+
+Identity and de-duplication: a trial is identified by its *trial key*, a hash of its flat overrides (seed
+included). Its MLflow child run carries the key as a tag, its Ray Train run is named after it and its
+checkpoints live under it, so a retried trial (crash) or a resumed sweep (``--resume``) re-attaches the same
+child run and continues from the same checkpoint; a trial whose child run is already complete is not
+trained again (its final metrics are reported back to Tune).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nmtcore import tracking
+from nmtcore.bert import ensure_bert
+from nmtcore.config import ExperimentConfig
+from nmtcore.data import prepare_data
+from nmtcore.engine import Callback
+from nmtcore.sweep import ray_backend
+from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
+from nmtcore.sweep.baseline import ensure_baseline
+from nmtcore.sweep.lifecycle import (
+    ROLE_TAG,
+    SWEEP_TAG,
+    TrialState,
+    end_trial,
+    find_child_run,
+    sweep_children,
+)
+from nmtcore.sweep.plan import (
+    baseline_config,
+    distinct_berts,
+    expected_trials,
+    trial_key,
+    trial_overrides,
+    validate_space,
+)
+from nmtcore.sweep.report import make_report
+from nmtcore.sweep.settings import (
+    SweepError,
+    SweepSettings,
+    is_uri,
+    join,
+    resolve_settings,
+)
+from nmtcore.sweep.space import SearchSpace
+
+STATE_FILE = "nmtcore_sweep.json"
+
+
+@dataclass
+class TrialRecord:
+    """One trial as the sweep ended it."""
+
+    trial_id: str
+    trial_key: str
+    status: str  # Tune's: TERMINATED, ERROR, PENDING, RUNNING, PAUSED
+    run_id: str | None
+    overrides: dict[str, Any]
+    metrics: dict[str, Any]
+    node_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepResult:
+    """What :func:`run_sweep` did: where its record is, whether it finished, its trials and report."""
+
+    name: str
+    parent_run_id: str
+    tracking_uri: str
+    experiment_path: str
+    interrupted: bool
+    trials: list[TrialRecord]
+    report_files: list[str]
+    dashboard_url: str | None
+    wall_s: float
+
+
+def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, *,
+              baseline: ExperimentConfig | None = None,
+              trial_callbacks: Sequence[Callback] = (),
+              on_trial_end: Callable[[dict[str, Any]], None] | None = None,
+              log_to_driver: bool = True) -> SweepResult:
+    """Run (or with ``settings.resume`` continue) a sweep and write its report.
+
+    With a protocol (:class:`~nmtcore.sweep.space.Protocol`) that warm-starts, the shared baseline is made
+    sure of first (trained once, or reused: :func:`~nmtcore.sweep.baseline.ensure_baseline`) and every arm
+    and the control start from it; the control arm runs with the arms.
+
+    Args:
+        space: what to vary; its ``model`` (if any) is set on ``base`` (keeping the base's sizes).
+        base: the experiment every trial starts from, with the arms' budget.
+        settings: how to run it (:class:`~nmtcore.sweep.settings.SweepSettings`).
+        baseline: the shared baseline's experiment (default: ``base`` with the protocol's baseline model and
+            budget, :func:`~nmtcore.sweep.plan.baseline_config`).
+        trial_callbacks: extra trainer callbacks run inside every trial worker (must pickle).
+        on_trial_end: called in this process with a plain dict when a trial ends (status, config,
+            run id, last result).
+    Raises:
+        SweepError / SpaceError / ConfigError: before anything runs, with a one-line message.
+    """
+    t0 = time.perf_counter()
+    settings = resolve_settings(settings)
+    exp_dir = join(settings.storage, settings.name)
+    state_path = Path(exp_dir) / STATE_FILE
+    state: dict[str, Any] | None = None
+    if settings.resume:
+        if is_uri(settings.storage) or not state_path.is_file():
+            raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
+        state = json.loads(state_path.read_text())
+        if state["space"] != space.name:
+            raise SweepError(f"sweep {settings.name!r} ran space {state['space']}, not {space.name}")
+        base = ExperimentConfig.from_dict(state["base"])  # the sweep continues with the config it started with
+        settings = replace(settings, seeds=state["seeds"], tracking_uri=state["tracking_uri"])
+        space = space.with_model(state.get("model", space.model))
+    elif state_path.exists() or (not is_uri(settings.storage) and (Path(exp_dir) / "tuner.pkl").exists()):
+        raise SweepError(f"sweep {settings.name!r} already exists at {exp_dir}: pass --resume to continue it "
+                         "or --name to start another")
+    validate_space(space, base, settings.seeds)
+    model = space.model or base.model.name
+
+    started_ray = not ray_backend.ray_is_running()
+    dashboard_url = ray_backend.init_ray(
+        settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
+        log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)})
+    try:
+        if settings.address:
+            ray_backend.check_cluster(settings, base)
+        data = prepare_shared(base, space)
+        made = None
+        if state is None and space.protocol is not None and space.protocol.warm_start:
+            made = ensure_baseline(baseline or baseline_config(space, base), settings.baseline_store,
+                                   tracking_uri=settings.tracking_uri, used_by=settings.name)
+            base = base.with_overrides({"train.init_from": str(made.path)})
+        tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
+                "nmtcore.space": space.name, "nmtcore.model": model,
+                "nmtcore.varied_keys": ",".join(space.varied_keys), "nmtcore.search": describe_search(space, settings),
+                "nmtcore.space_json": json.dumps(space.describe(), default=repr),
+                "nmtcore.test_split": base.data.test_splits[0] if base.data.test_splits else "",
+                "nmtcore.test_splits": ",".join(base.data.test_splits),
+                "nmtcore.experiment_path": exp_dir,
+                "nmtcore.protocol": describe_protocol(space, made)}
+        if made is not None:
+            tags.update({BASELINE_KEY_TAG: made.key, "nmtcore.baseline_run_id": made.meta["mlflow_run_id"],
+                         "nmtcore.baseline_converged": made.converged,
+                         "nmtcore.baseline_valid_losses": json.dumps(made.meta["valid_losses"])})
+        if state is not None:
+            parent = tracking.Tracker(settings.tracking_uri, run_id=state["parent_run_id"], tags=tags)
+        else:
+            parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
+                                      tags=tracking.provenance_tags({**tags, **{f"nmtcore.checksum.{k}": v
+                                                                               for k, v in data.items()}}))
+            parent.log_config(base)
+            parent.log_params({f"sweep.{k}": v for k, v in asdict(settings).items()
+                               if k not in ("resume", "verbose") and v is not None})
+            parent.log_dict(space.describe(), "search_space.json")
+            if not is_uri(settings.storage):
+                Path(exp_dir).mkdir(parents=True, exist_ok=True)
+                state_path.write_text(json.dumps({"space": space.name, "model": model, "parent_run_id": parent.run_id,
+                                                  "tracking_uri": parent.tracking_uri, "seeds": settings.seeds,
+                                                  "base": base.to_dict()}, indent=1))
+        workers = settings.workers_per_trial
+        ctx = ray_backend.SweepContext(
+            name=settings.name, space=space, base=base, base_seed=base.train.seed,
+            tracking_uri=parent.tracking_uri, parent_run_id=parent.run_id,
+            train_storage=join(exp_dir, "train_runs"), scratch_dir=settings.scratch_dir or "",
+            workers=workers, cpus_per_worker=settings.cpus_per_trial / workers,
+            gpus_per_worker=settings.gpus_per_trial / workers,
+            threads_per_worker=max(1, int(settings.cpus_per_trial // workers)),
+            controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
+            test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks))
+
+        interrupted = True
+        report_files: list[str] = []
+        with parent:
+            saved: list[Any] = []
+            leaked = 0
+            for cells, exp in phases(space, exp_dir):
+                outcome = ray_backend.run_tune(ctx, settings, exp, base.train.max_epochs, restore=state is not None,
+                                               cells=cells, on_trial_end=on_trial_end,
+                                               before_fit=lambda: print_where(settings, parent, dashboard_url, exp))
+                saved += outcome.trials
+                leaked += outcome.leaked_removed
+            interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)
+                           or any(t.status not in ("TERMINATED", "ERROR") for t in saved))
+            trials = trial_records(saved, space, base.train.seed, parent.run_id, parent.tracking_uri)
+            end_orphans(parent.run_id, parent.tracking_uri, interrupted)
+            if interrupted:
+                parent.set_tags({tracking.FAILURE_REASON_TAG: "sweep interrupted; continue it with --resume"})
+            elif settings.report_dir:
+                report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
+                                                            settings.report_dir, log=True)]
+            if leaked:
+                parent.set_tags({"nmtcore.leaked_placement_groups_removed": leaked})
+            if interrupted:
+                parent.end("KILLED")
+    finally:
+        if started_ray:
+            ray_backend.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
+    return SweepResult(name=settings.name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
+                       experiment_path=exp_dir, interrupted=interrupted, trials=trials, report_files=report_files,
+                       dashboard_url=dashboard_url, wall_s=time.perf_counter() - t0)
+
+
+def phases(space: SearchSpace, exp_dir: str) -> list[tuple[bool, str]]:
+    """The Tune runs of a sweep, in order: ``(cells, experiment dir)``. A grid study is one run of its cells
+    (control included); a sampled study with a control runs its control cells first (``<name>-control``),
+    then the search."""
+    if not space.sampled:
+        return [(True, exp_dir)]
+    runs = [(True, exp_dir + "-control")] if space.cells() else []
+    return runs + [(False, exp_dir)]
+
+
+def describe_protocol(space: SearchSpace, made: Any) -> str:
+    """One line on how the arms were trained and compared."""
+    p = space.protocol
+    if p is None:
+        return "none: trials compared with the space's reference"
+    start = (f"warm-started from baseline {made.key} ({'converged' if made.converged else 'STILL IMPROVING'})"
+             if made is not None else "warm-started from the sweep's baseline" if p.warm_start else "from scratch")
+    return f"arms {start}; control arm: {'yes' if p.control else 'no'}"
+
+
+def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> dict[str, str]:
+    """Prepare in the driver, once, what parallel trials would otherwise each make: the data (fails fast
+    on missing data; the vocabulary is cached) and every distinct BERT of the grid (downloaded, or made
+    here when the hub is unreachable: :func:`nmtcore.bert.ensure_bert`). Returns the data checksums."""
+    checksums = dict(prepare_data(base.data).checksums)
+    for cfg in distinct_berts(space, base):
+        b = cfg.model.bert
+        what = b.name or f"L{b.layers}-H{b.hidden}"
+        print(f"preparing BERT {what} (resolved, or pretrained on this machine if nothing answers) ...", flush=True)
+        t0 = time.perf_counter()
+        ensure_bert(cfg)
+        print(f"  BERT {what} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    return checksums
+
+
+def trial_records(trials: list[Any], space: SearchSpace, base_seed: int, parent_run_id: str,
+                  tracking_uri: str) -> list[TrialRecord]:
+    """Tune's saved trials joined with their child runs."""
+    out = []
+    for t in trials:
+        overrides = trial_overrides(space, t.config, base_seed)
+        key = trial_key(overrides)
+        run = None
+        with contextlib.suppress(Exception):
+            run = find_child_run(parent_run_id, key, tracking_uri)
+        result = dict(t.last_result or {})
+        nodes = run.tags.get("nmtcore.node_ids", "").split(",") if run is not None else []
+        out.append(TrialRecord(trial_id=t.trial_id, trial_key=key, status=t.status,
+                               run_id=run.run_id if run else None, overrides=overrides,
+                               metrics={k: v for k, v in result.items() if isinstance(v, (int, float, str))},
+                               node_ids=[n for n in nodes if n]))
+    return out
+
+
+def end_orphans(parent_run_id: str, tracking_uri: str, interrupted: bool) -> None:
+    """Child runs still RUNNING when the sweep stops: KILLED (re-attached if the sweep is resumed)."""
+    reason = "sweep interrupted; resume it with --resume" if interrupted else "its trial never finished"
+    for run in sweep_children(parent_run_id, tracking_uri):
+        if run.status == "RUNNING":
+            end_trial(run.run_id, TrialState.KILLED, tracking_uri, reason=reason)
+
+
+def print_where(settings: SweepSettings, parent: tracking.Tracker, dashboard_url: str | None, exp_dir: str) -> None:
+    """Tell the user where to watch the sweep."""
+    lines = [f"sweep {settings.name}: MLflow parent run {parent.run_id} in {parent.tracking_uri}",
+             f"  MLflow UI:       {tracking.ui_command(parent.tracking_uri)}",
+             f"  Ray dashboard:   {dashboard_url or '(not started)'}",
+             f"  Tune experiment: {exp_dir}"]
+    if settings.report_dir:
+        lines.append(f"  report (at end): {settings.report_dir}")
+    print("\n".join(lines), flush=True)
+
+
+def describe_search(space: SearchSpace, settings: SweepSettings) -> str:
+    """One line: the search algorithm, early stopping, seeds."""
+    early = space.early_stopping if settings.early_stopping is None else settings.early_stopping
+    algo = f"optuna-tpe(seed={settings.optuna_seed})" if space.sampled else "grid"
+    return f"{algo}{' + asha' if early else ''}, seeds={settings.seeds}"

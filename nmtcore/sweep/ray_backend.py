@@ -1,0 +1,668 @@
+"""The Ray backend of a sweep: the one module of nmtcore that imports Ray.
+
+A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore trainer inside a
+Ray Train ``TorchTrainer``::
+
+    driver (nmtcore.sweep.driver)     Tune trial actor (_trial_main)      Train workers (_train_loop)
+    ─────────────────────────────     ──────────────────────────────      ───────────────────────────
+    run_tune(...)                      find / create the MLflow child      run_experiment(cfg, callbacks)
+      Tuner(search alg, ASHA).fit()      (by trial key: re-attach)           _RayReport: metrics +
+      _SweepCallback: end child runs   TorchTrainer(name = trial key)          checkpoint every epoch
+        of stopped/failed trials,        .fit()                              _TrialTracking (rank 0):
+        remove leaked worker PGs                                               config, epochs, test,
+                                                                               costs → the child run
+
+Search algorithm: a space of grid/choice dimensions is enumerated (Tune's variant generator; seeds are one
+more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, with seeds as Tune
+``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
+
+Where things run: by default a local Ray cluster of all cores (dashboard on 127.0.0.1:8265, URL printed;
+Ray's token auth stays on unless ``RAY_AUTH_MODE=disabled``), trials as many at once as fit
+(``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU). With ``address``
+the sweep joins an existing cluster instead, after :func:`check_cluster`.
+
+Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
+whose loss becomes NaN/inf ends FAILED with the reason in MLflow, and Tune's retries of it end at once
+without training (it would fail identically); a trial whose worker group cannot start fails after
+``controller_failure_limit`` start timeouts instead of waiting forever; placement groups whose creating
+Train controller died (the leak that hangs ASHA sweeps with TorchTrainer trials) are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import optuna
+import ray
+import ray.train
+from ray import tune
+from ray.train.torch import TorchTrainer
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import BasicVariantGenerator, Repeater
+from ray.tune.search.optuna import OptunaSearch
+
+from nmtcore import tracking
+from nmtcore.bert import ensure_bert
+from nmtcore.checkpoint import epoch_checkpoints
+from nmtcore.config import ExperimentConfig
+from nmtcore.engine import (
+    Callback,
+    NonFiniteLossError,
+    RunSummary,
+    Trainer,
+    run_experiment,
+)
+from nmtcore.sweep.lifecycle import (
+    FAILURE_KIND_TAG,
+    TRIAL_STATE_TAG,
+    TUNE_STATUS_TAG,
+    TrialState,
+    end_trial,
+    find_child_run,
+    open_child_run,
+    set_trial_state,
+)
+from nmtcore.sweep.plan import (
+    SEED_KEY,
+    run_label,
+    trial_config,
+    trial_key,
+    trial_overrides,
+    trial_point,
+)
+from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
+from nmtcore.sweep.space import (
+    ARM_KEY,
+    CELL_KEY,
+    Choice,
+    Grid,
+    IntRange,
+    LogUniform,
+    SearchSpace,
+    Uniform,
+)
+from nmtcore.sweep.trial import (
+    NonFiniteTrialError,
+    SweepContext,
+    TrialTracking,
+    all_gather,
+    all_reduce_sum,
+    epoch_of,
+    failure_reason,
+    final_metrics_from_run,
+    last_epoch_metrics,
+)
+
+log = logging.getLogger("nmtcore.sweep")
+
+# The Tune trial actor only waits on its TorchTrainer: it reserves no CPU (Tune refuses an empty
+# reservation, so a little logical memory instead), and a trial's CPUs all go to its workers: 2 one-CPU
+# trials fit on 2 cores, and on two 1-CPU nodes, wherever Ray puts the trial actors.
+DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
+
+
+# Environment for every Ray process this module starts (local cluster or runtime_env when joining).
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "0",
+    "NMTCORE_NO_PROGRESS": "1",
+}
+
+
+
+
+def param_space(space: SearchSpace, seeds: int, base_seed: int, cells: bool | None = None) -> dict[str, Any]:
+    """Tune's ``param_space``: a grid of the space's cells (control included) and seeds, or, for the search
+    of a sampled space (``cells=False``), its ranges as Tune domains (seeds are Optuna repeats)."""
+    cells = not space.sampled if cells is None else cells
+    if cells:
+        out_cells: dict[str, Any] = {CELL_KEY: tune.grid_search(list(range(len(space.cells()))))}
+        if seeds > 1:
+            out_cells[SEED_KEY] = tune.grid_search([base_seed + i for i in range(seeds)])
+        return out_cells
+    out: dict[str, Any] = {}
+    for key, dom in space.params.items():
+        if isinstance(dom, Grid):
+            out[key] = tune.grid_search(list(dom.values))
+        elif isinstance(dom, Choice):
+            out[key] = tune.choice(list(dom.values))
+        elif isinstance(dom, Uniform):
+            out[key] = tune.uniform(dom.low, dom.high)
+        elif isinstance(dom, LogUniform):
+            out[key] = tune.loguniform(dom.low, dom.high)
+        elif isinstance(dom, IntRange):
+            out[key] = tune.randint(dom.low, dom.high + 1)  # Tune's upper bound is exclusive
+    if space.arms:
+        out[ARM_KEY] = tune.choice(list(space.arms))
+    return out
+
+
+def search_algorithm(space: SearchSpace, settings: SweepSettings, max_concurrent: int = 0,
+                     cells: bool | None = None) -> Any:
+    """Optuna TPE (seeded; wrapped in a ``Repeater`` for seeds) for the search of a sampled space, else
+    the grid enumerator of the cells (which must carry the concurrency cap itself: Tune ignores
+    ``max_concurrent_trials`` for an explicit variant generator)."""
+    if not space.sampled if cells is None else cells:
+        return BasicVariantGenerator(max_concurrent=max_concurrent)
+    sampler = optuna.samplers.TPESampler(seed=settings.optuna_seed)
+    searcher = OptunaSearch(sampler=sampler, metric=space.metric, mode=space.mode)
+    return Repeater(searcher, repeat=settings.seeds) if settings.seeds > 1 else searcher
+
+
+def scheduler(space: SearchSpace, settings: SweepSettings, max_epochs: int, cells: bool | None = None) -> Any:
+    """ASHA on the space's metric with epochs as time, or FIFO (every trial runs to the end). A control
+    arm is never stopped early: cells with a control run under FIFO."""
+    early = space.early_stopping if settings.early_stopping is None else settings.early_stopping
+    cells = not space.sampled if cells is None else cells
+    if not early or (cells and any(c.control for c in space.cells())):
+        return FIFOScheduler()
+    # Rungs at grace·rf^k < max_epochs; a trial reaching max_epochs is left alone (stop_last_trials=False):
+    # ASHA would otherwise stop it at its last epoch's report, before it decodes and scores the test set.
+    return ASHAScheduler(time_attr="epoch", max_t=max_epochs, grace_period=min(settings.grace_period, max_epochs),
+                         reduction_factor=settings.reduction_factor, stop_last_trials=False)
+
+
+def preview_samples(space: SearchSpace, n: int, seeds: int = 1, base_seed: int = 1,
+                    optuna_seed: int = 0) -> list[dict[str, Any]]:
+    """The first ``n`` trial configs the sweep's own search algorithm generates (no trial runs): grid
+    expansion for grids, Optuna's suggestions for sampled spaces. What a trial receives, for tests and
+    dry runs."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    pspace = param_space(space, seeds, base_seed)
+    if not space.sampled:
+        return [cfg for _, cfg in generate_variants(pspace)][:n]  # one pass over the cells (num_samples=1)
+    settings = SweepSettings(name="preview", storage=tempfile.gettempdir(), seeds=seeds, optuna_seed=optuna_seed)
+    algorithm = search_algorithm(space, settings)
+    algorithm.set_search_properties(space.metric, space.mode, pspace)
+    return [algorithm.suggest(f"preview_{i:05d}") for i in range(n)]
+
+
+def num_samples(space: SearchSpace, settings: SweepSettings, cells: bool | None = None) -> int:
+    """Tune's ``num_samples``: one pass over the cells (seeds are a grid dimension), or the Optuna trials."""
+    if not space.sampled if cells is None else cells:
+        return 1
+    return (settings.num_samples or space.num_samples) * settings.seeds
+
+
+
+
+def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
+    """One Tune trial: open (or re-attach) its MLflow child run, then train in a TorchTrainer."""
+    overrides = trial_overrides(ctx.space, config, ctx.base_seed)
+    key = trial_key(overrides)
+    existing = find_child_run(ctx.parent_run_id, key, ctx.tracking_uri)
+    if existing is not None and existing.tags.get(TRIAL_STATE_TAG) == TrialState.COMPLETE.value:
+        # Trained and scored by an earlier attempt (e.g. before a driver crash the experiment state
+        # did not record): report its results instead of training a duplicate.
+        tune.report(final_metrics_from_run(existing))
+        return
+    if existing is not None and existing.tags.get(FAILURE_KIND_TAG) == "nonfinite":
+        raise NonFiniteTrialError(existing.tags.get(tracking.FAILURE_REASON_TAG, "non-finite loss"))
+    point, control = trial_point(ctx.space, config)
+    label = run_label({"arm": "control"} if control else point, overrides.get(SEED_KEY))
+    run_id, _ = open_child_run(ctx.parent_run_id, key, label, ctx.child_tags(overrides, point, control),
+                               ctx.tracking_uri)
+    trial_id = tune.get_context().get_trial_id()
+    set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
+    cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
+    resources = {"CPU": ctx.cpus_per_worker}
+    if ctx.gpus_per_worker:
+        resources["GPU"] = ctx.gpus_per_worker
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri,
+                           "trial_key": key, "trial_id": trial_id, "test_split": ctx.test_split,
+                           "threads": ctx.threads_per_worker,
+                           "gpus": ctx.gpus_per_worker * ctx.workers, "callbacks": list(ctx.trial_callbacks)},
+        scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers, use_gpu=ctx.gpus_per_worker > 0,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            # A stable name per trial key: a retried trial resumes this Train run's last checkpoint.
+            name=f"{ctx.name}-{key}", storage_path=ctx.train_storage,
+            failure_config=ray.train.FailureConfig(max_failures=0,
+                                                   controller_failure_limit=ctx.controller_failure_limit),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            callbacks=[TuneReportCallback()]),
+    )
+    try:
+        trainer.fit()
+    except Exception as e:
+        reason = failure_reason(e)
+        with contextlib.suppress(Exception):  # the worker may already have ended it with the exact reason
+            end_trial(run_id, TrialState.FAILED, ctx.tracking_uri, reason=reason)
+        if "NonFiniteLossError" in reason:
+            raise NonFiniteTrialError(reason) from None
+        raise
+
+
+
+
+class _RayReport(Callback):
+    """Reports every epoch's metrics to Ray Train (rank 0 adds the epoch checkpoint), and sums the
+    workers' CPU seconds at the end (all ranks take part in the all-reduce)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.last_epoch: dict[str, float] = {}
+        self._cpu0 = time.process_time()
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float],
+                     checkpoint: Path | None) -> None:
+        report = {k: float(v) for k, v in metrics.items()}
+        report["epoch"] = float(epoch)
+        self.last_epoch = dict(report)
+        if checkpoint is None:
+            ray.train.report(report)
+            return
+        # Hard links (not copies) into a fresh directory Ray uploads and then deletes.
+        tmp = Path(tempfile.mkdtemp(prefix="nmtcore-ckpt-"))
+        for src in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
+            if src.exists():
+                _link_or_copy(src, tmp / src.name)
+        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)),
+                         delete_local_checkpoint_after_upload=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        self.cpu_s = all_reduce_sum(time.process_time() - self._cpu0)
+
+
+
+
+def _train_loop(lc: dict[str, Any]) -> None:
+    """Ray Train worker: the unchanged nmtcore experiment, reporting through callbacks."""
+    cfg = ensure_bert(lc["cfg"], threads=lc.get("threads"))  # made once by the driver; here it only resolves
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    node_ids = all_gather(ray.get_runtime_context().get_node_id())
+    _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"))
+    reporter = _RayReport()
+    callbacks: list[Callback] = [reporter]  # Ray first, then MLflow, then the caller's: an epoch is
+    tracker: tracking.Tracker | None = None  # checkpointed and logged before user code can fail it
+    if rank == 0:
+        tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
+        callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
+                                        {"nmtcore.tune_trial_id": lc["trial_id"]}))
+    callbacks += lc.get("callbacks", [])
+    # Rank 0's tracker ends the child run: FINISHED, or FAILED with the one-line reason.
+    with tracker if tracker is not None else contextlib.nullcontext():
+        try:
+            summary = run_experiment(cfg, callbacks=callbacks, resume=True)
+        except NonFiniteLossError:
+            if tracker is not None:
+                tracker.set_tags({FAILURE_KIND_TAG: "nonfinite", TRIAL_STATE_TAG: TrialState.FAILED.value})
+            raise
+        except Exception:
+            # Any other error (out of memory...): the run ends FAILED below; its state must say so too
+            # (else a FAILED run stays "running": the driver's clean-up only touches RUNNING runs).
+            if tracker is not None:
+                with contextlib.suppress(Exception):  # never mask the error that ended the trial
+                    tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value})
+            raise
+        final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
+        test = summary.test.get(lc["test_split"]) or next(iter(summary.test.values()), None)
+        final.update({"epoch": float(summary.epochs), "test_bleu": test.bleu if test else float("nan"),
+                      "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
+                      "node_ids": ",".join(node_ids)})
+        ray.train.report(final)
+
+
+
+
+def _restore_train_checkpoint(save_dir: Path) -> None:
+    """Put Ray Train's latest checkpoint (a retried trial's, possibly from another node) into the
+    trainer's checkpoint directory unless a checkpoint at least as new is already there."""
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return
+    with ckpt.as_directory() as d:
+        files = sorted(Path(d).glob("epoch*.pt"))
+        if not files:
+            return
+        newest_local = epoch_checkpoints(save_dir)[-1:] if save_dir.exists() else []
+        if newest_local and epoch_of(newest_local[0]) >= epoch_of(files[-1]):
+            return
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for src in [files[-1], files[-1].with_name(files[-1].name + ".sha256")]:
+            if src.exists():
+                tmp = save_dir / f".{src.name}.{uuid.uuid4().hex}.tmp"
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, save_dir / src.name)
+        log.info("restored %s from Ray Train checkpoint %s", files[-1].name, ckpt.path)
+
+
+class _SweepCallback(tune.Callback):
+    """Keeps MLflow in step with Tune and keeps the cluster free of leaked worker reservations.
+
+    * a trial stopped by the scheduler (ASHA) leaves its child run RUNNING: end it FINISHED, tagged
+      ``stopped_early`` with the epoch it reached;
+    * a trial that errored for good: end its child run FAILED with the reason;
+    * before each trial starts, after each ends, and every ``pg_check_s``: remove placement groups
+      whose creating actor (a Train controller of a stopped trial) is dead — nothing can ever use
+      them, and a leaked one makes the next trial's worker group wait forever.
+    """
+
+    def __init__(self, ctx: SweepContext, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
+                 pg_check_s: float = 10.0) -> None:
+        self.ctx = ctx
+        self.on_trial_end_hook = on_trial_end
+        self.pg_check_s = pg_check_s
+        self._last_pg_check = 0.0
+        self.trials: list[Any] = []
+        self.leaked_removed = 0
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        self.trials = trials
+        if time.monotonic() - self._last_pg_check > self.pg_check_s:
+            self._clean()
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.trials = trials
+        self._clean()
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        run = self._child(trial)
+        if run is not None and run.status == "RUNNING":
+            epoch = (trial.last_result or {}).get("epoch")
+            end_trial(run.run_id, TrialState.STOPPED_EARLY, self.ctx.tracking_uri,
+                      tags={"nmtcore.stopped_at_epoch": epoch if epoch is not None else "",
+                            TUNE_STATUS_TAG: "TERMINATED"})
+        self._ended(trial, "TERMINATED", run)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        run = self._child(trial)
+        if run is not None:
+            reason = "trial failed"
+            with contextlib.suppress(Exception):
+                err = trial.get_pickled_error()
+                reason = failure_reason(err) if err is not None else reason
+            end_trial(run.run_id, TrialState.FAILED, self.ctx.tracking_uri, reason=reason,
+                      tags={TUNE_STATUS_TAG: "ERROR"})
+            with contextlib.suppress(Exception):  # a run the worker already ended FAILED: say what Tune saw
+                tracking.set_run_tags(run.run_id, {TUNE_STATUS_TAG: "ERROR"}, self.ctx.tracking_uri)
+        self._ended(trial, "ERROR", run)
+
+    def _ended(self, trial: Any, status: str, run: Any) -> None:
+        self._clean()
+        if self.on_trial_end_hook is not None:
+            self.on_trial_end_hook({"trial_id": trial.trial_id, "status": status, "config": dict(trial.config),
+                                    "run_id": getattr(run, "run_id", None), "last_result": dict(trial.last_result or {})})
+
+    def _child(self, trial: Any) -> tracking.RunRecord | None:
+        try:
+            key = trial_key(trial_overrides(self.ctx.space, trial.config, self.ctx.base_seed))
+            return find_child_run(self.ctx.parent_run_id, key, self.ctx.tracking_uri)
+        except Exception as e:  # never let bookkeeping kill the sweep
+            log.warning("could not look up the MLflow run of trial %s: %s", trial.trial_id, e)
+            return None
+
+    def _clean(self) -> None:
+        self._last_pg_check = time.monotonic()
+        self.leaked_removed += remove_leaked_placement_groups()
+
+
+def remove_leaked_placement_groups() -> int:
+    """Remove placement groups whose creating actor is dead (and that are not detached); returns how
+    many. Such a group is a Train worker group's reservation outliving its controller (a trial
+    stopped by ASHA or killed): its resources would otherwise stay reserved until the cluster ends.
+    Groups created by a driver (Tune's own trial reservations) have no creating actor and are kept."""
+    try:
+        from ray.core.generated import gcs_pb2
+        from ray.util.placement_group import (
+            PlacementGroup,
+            PlacementGroupID,
+            remove_placement_group,
+        )
+
+        table = ray.util.placement_group_table()
+        accessor = ray._private.state.state._global_state_accessor  # noqa: SLF001 - no public API has the creator
+    except Exception as e:  # pragma: no cover - depends on Ray internals
+        log.debug("placement-group check unavailable: %s", e)
+        return 0
+    removed = 0
+    for pg_hex, info in table.items():
+        if info.get("state") not in ("CREATED", "PENDING", "RESCHEDULING"):
+            continue
+        try:
+            pg_id = PlacementGroupID(bytes.fromhex(pg_hex))
+            data = gcs_pb2.PlacementGroupTableData.FromString(accessor.get_placement_group_info(pg_id))
+            creator = bytes(data.creator_actor_id)
+            if data.is_detached or not creator or set(creator) == {0xFF} or not data.creator_actor_dead:
+                continue
+            remove_placement_group(PlacementGroup(pg_id))
+            removed += 1
+            log.warning("removed leaked placement group %s %s (its creating actor died)", pg_hex, info.get("bundles"))
+        except Exception as e:  # pragma: no cover - racing with Ray's own cleanup
+            log.debug("placement group %s: %s", pg_hex, e)
+    return removed
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
+             dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
+             env: Mapping[str, str] | None = None) -> str | None:
+    """Start a local Ray cluster (or join ``address``) unless this process is already connected;
+    returns the dashboard URL (``http://127.0.0.1:8265``) or None."""
+    env_vars = {**RAY_ENV, **(env or {})}
+    for k, v in env_vars.items():
+        os.environ.setdefault(k, v)
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "runtime_env": {"env_vars": env_vars},
+                                  "configure_logging": True, "logging_level": logging.WARNING}
+        if address:
+            ctx = ray.init(address=address, **kwargs)
+        else:
+            ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
+                           dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
+        url = getattr(ctx, "dashboard_url", None)
+    else:
+        url = None
+        with contextlib.suppress(Exception):
+            url = ray._private.worker.get_dashboard_url()  # noqa: SLF001
+    if url and not url.startswith("http"):
+        url = f"http://{url}"
+    return url or None
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def cluster_nodes() -> list[dict[str, Any]]:
+    """Alive nodes: id, address, CPUs, GPUs."""
+    return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress"), "cpus": n["Resources"].get("CPU", 0),
+             "gpus": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
+
+
+def check_cluster(settings: SweepSettings, base: ExperimentConfig) -> None:
+    """For a sweep joining an existing cluster: MLflow must be a tracking server and trial storage
+    (and the data directory) must be visible from every node. Raises :class:`SweepError` saying what
+    to change. Call after connecting."""
+    uri = settings.tracking_uri or tracking.default_tracking_uri()
+    if not tracking.is_tracking_server(uri):
+        raise SweepError(f"cluster mode needs an MLflow tracking server every node can reach, not {uri}: start one "
+                         "(mlflow server --backend-store-uri sqlite:////shared/mlflow.db --host 0.0.0.0 --port 5000) "
+                         "and pass --tracking-uri http://<host>:5000")
+    paths = []
+    if not is_uri(settings.storage):
+        paths.append(("trial storage (--storage)", settings.storage))
+    data_dir = base.data.resolved_data_dir()
+    if data_dir is not None:
+        paths.append(("data directory (--data-dir)", str(data_dir)))
+    for what, path in paths:
+        missing = _nodes_missing(path)
+        if missing:
+            raise SweepError(f"cluster mode: {what} {path} is not visible from node(s) {', '.join(missing)}: "
+                             "use a shared filesystem path mounted on every node or a cloud URI (s3://, gs://)")
+
+
+def _nodes_missing(path: str) -> list[str]:
+    """Ids of alive nodes that do not see a marker file written under ``path`` by this process."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    marker = Path(path) / f".nmtcore-shared-check-{uuid.uuid4().hex}"
+    marker.write_text(socket.gethostname())
+    try:
+        @ray.remote(num_cpus=0)
+        def sees(p: str) -> bool:
+            return os.path.exists(p)
+
+        nodes = [n["node_id"] for n in cluster_nodes()]
+        refs = [sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(marker))
+                for n in nodes]
+        return [n[:12] for n, ok in zip(nodes, ray.get(refs, timeout=120)) if not ok]
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def trials_that_fit(settings: SweepSettings) -> int:
+    """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs)
+    fit on it, summed. Raises :class:`SweepError` if not even one fits."""
+    total = 0
+    biggest = {"cpus": 0.0, "gpus": 0.0}
+    per_node_cpus = settings.cpus_per_trial if settings.workers_per_trial == 1 else \
+        settings.cpus_per_trial / settings.workers_per_trial
+    for node in cluster_nodes():
+        biggest = {"cpus": max(biggest["cpus"], node["cpus"]), "gpus": max(biggest["gpus"], node["gpus"])}
+        n = int(node["cpus"] // per_node_cpus + 1e-9) if per_node_cpus else 0
+        if settings.gpus_per_trial:
+            per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
+            n = min(n, int(node["gpus"] // per_node_gpus + 1e-9))
+        total += n
+    if settings.workers_per_trial > 1:
+        total //= settings.workers_per_trial
+    if total < 1:
+        raise SweepError(f"a trial needs {settings.cpus_per_trial} CPUs and {settings.gpus_per_trial} GPUs; the "
+                         f"largest node has {biggest['cpus']:g} CPUs and {biggest['gpus']:g} GPUs "
+                         "(lower --cpus-per-trial / --gpus-per-trial)")
+    return total
+
+
+def _saved_trials(exp_dir: str) -> list[Any]:
+    """Trials as Tune saved them (what a resume would continue), or [] if unreadable."""
+    quiet = logging.getLogger("ray.tune")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return list(tune.ExperimentAnalysis(exp_dir).trials)
+    except Exception as e:  # pragma: no cover - e.g. a cloud URI without credentials here
+        log.warning("could not read the saved experiment state at %s: %s", exp_dir, e)
+        return []
+    finally:
+        quiet.setLevel(level)
+
+
+def _set_concurrency(tuner: tune.Tuner, n: int) -> None:
+    tune_config = getattr(getattr(tuner, "_local_tuner", None), "_tune_config", None)
+    if tune_config is None:  # pragma: no cover - Ray internals moved
+        log.warning("could not set the restored Tuner's concurrency to %d", n)
+        return
+    if isinstance(tune_config.search_alg, BasicVariantGenerator):
+        tune_config.search_alg.max_concurrent = n
+    else:
+        tune_config.max_concurrent_trials = n
+
+
+def _replace_callbacks(tuner: tune.Tuner, callback: _SweepCallback) -> None:
+    internal = getattr(tuner, "_local_tuner", None)
+    run_config = getattr(internal, "_run_config", None) if internal is not None else None
+    if run_config is None:  # pragma: no cover - Ray internals moved
+        log.warning("could not re-install the sweep callback on the restored Tuner")
+        return
+    others = [c for c in (run_config.callbacks or []) if not isinstance(c, _SweepCallback)]
+    run_config.callbacks = [*others, callback]
+
+
+
+
+
+
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+
+
+def _trial_name(trial: Any) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+# ============================================================================== the Tune run
+@dataclass
+class TuneOutcome:
+    """What a Tune run left: its trials as Tune saved them (``trial_id``, ``status``, ``config``,
+    ``last_result``) and how many leaked worker reservations were removed on the way."""
+
+    trials: list[Any]
+    leaked_removed: int
+
+
+def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epochs: int, restore: bool,
+             cells: bool | None = None, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
+             before_fit: Callable[[], None] | None = None) -> TuneOutcome:
+    """Run (``restore``: continue) one Tune run of ``ctx.space`` under ``exp_dir``: its cells (a grid study,
+    or a sampled study's control), or (``cells=False``) the search of a sampled space. Blocks until it ends
+    or is interrupted. ``before_fit`` is called once the Tuner is ready (the driver prints where to watch)."""
+    space = ctx.space
+    cells = not space.sampled if cells is None else cells
+    fits = trials_that_fit(settings)
+    if settings.max_concurrent > fits:
+        log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)
+    max_concurrent = min(settings.max_concurrent or fits, fits)
+    callback = _SweepCallback(ctx, on_trial_end)
+    trainable = tune.with_resources(tune.with_parameters(_trial_main, ctx=ctx), DRIVER_RESOURCES)
+    pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
+    name = Path(exp_dir).name
+    if restore and tune.Tuner.can_restore(exp_dir):
+        tuner = tune.Tuner.restore(exp_dir, trainable=trainable, param_space=pspace, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+        # A restored Tuner keeps the callbacks and limits it was created with (pickled); ours must be live,
+        # and the concurrency must fit the cluster the sweep resumes on.
+        _replace_callbacks(tuner, callback)
+        _set_concurrency(tuner, max_concurrent)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=pspace,
+            tune_config=tune.TuneConfig(
+                metric=space.metric, mode=space.mode,
+                search_alg=search_algorithm(space, settings, max_concurrent, cells),
+                scheduler=scheduler(space, settings, max_epochs, cells),
+                num_samples=num_samples(space, settings, cells),
+                # A trial's own reservation holds no CPU (DRIVER_RESOURCES): without this cap Tune would start
+                # every trial at once and the surplus would wait for worker CPUs until they time out.
+                max_concurrent_trials=None if cells else max_concurrent, reuse_actors=False,
+                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+            run_config=tune.RunConfig(name=name, storage_path=str(Path(exp_dir).parent) if not is_uri(exp_dir)
+                                      else exp_dir.rsplit("/", 1)[0],
+                                      failure_config=tune.FailureConfig(max_failures=settings.max_failures),
+                                      callbacks=[callback], verbose=settings.verbose))
+    if before_fit is not None:
+        before_fit()
+    tuner.fit()
+    # Tune's saved state, not the live trial objects: an interrupted run marks its running trials TERMINATED
+    # in memory but saves them as unfinished, to be resumed.
+    return TuneOutcome(trials=_saved_trials(exp_dir) or callback.trials, leaked_removed=callback.leaked_removed)
+
+
+def ray_is_running() -> bool:
+    """Whether this process is connected to a Ray cluster."""
+    return ray.is_initialized()

@@ -1,0 +1,169 @@
+"""Sweep reports, from MLflow alone: a paper-style table per test set, the study's figure, BLEU against cost.
+
+Everything is read back from the sweep's parent run (its study, varied keys, protocol, test sets and plot
+hint, stored as tags by :mod:`nmtcore.sweep.driver`) and its child runs (test BLEU/chrF, validation
+histories, cost figures, hypotheses and references as artifacts), so a report can be made on any machine
+that reaches the tracking store, long after the Ray cluster is gone::
+
+    nmtcore report --sweep bert_size_grid-demo [--out DIR]
+
+What each row says, per test set: test BLEU and chrF as mean ± sd over seeds; against the **control** (the
+baseline model trained the same way without BERT, the first row) — or, in a study without one, against
+its reference configuration — ΔBLEU (difference of the means), its 95% confidence interval and two-sided
+p-value from a paired bootstrap (Koehn 2004; sacreBLEU statistics, 1000 resamples) over the hypotheses of
+the seeds both completed, pooled, and with two or more seeds a paired t-test across seeds; then the
+budget each arm had (epochs, updates, wall time) and whether its validation loss was still falling at its
+last epoch (an arm stopped before it converged is flagged, never compared silently).
+
+Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
+set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,
+``test_set`` and more), ``report.json`` (everything), and the figures of :mod:`nmtcore.sweep.figures`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from nmtcore import tracking
+from nmtcore.sweep.figures import figures
+from nmtcore.sweep.results import (
+    Comparison,
+    SweepReport,
+    build_report,
+    fmt,
+    mean,
+    short,
+)
+
+
+# ================================================================================== rendering
+def json_rows(report: SweepReport) -> list[dict[str, Any]]:
+    """One row per test set and arm, the reference (control) first: what ``table.json`` holds."""
+    rows = []
+    for split in report.test_splits:
+        for g in report.groups:
+            bleus = list(g.bleu.get(split, {}).values())
+            chrfs = [x for x in g.chrf.get(split, {}).values() if not math.isnan(x)]
+            c = g.comparisons.get(split, Comparison())
+            rows.append({
+                "test_set": split, "arm": g.label, "control": g.control, "reference": g is report.reference,
+                **{short(k): v for k, v in g.values.items()},
+                "n_seeds": len(bleus), "bleu_mean": mean(bleus), "bleu_sd": _sd(bleus), "bleu_by_seed": dict(
+                    g.bleu.get(split, {})), "chrf_mean": mean(chrfs),
+                "delta": 0.0 if g is report.reference else c.delta, "ci_low": c.ci_low, "ci_high": c.ci_high,
+                "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
+                "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
+                "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
+                "still_improving": g.still_improving, "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
+                "bert": g.bert, "bert_quality": g.bert_quality,
+                "trials": {s: n for s, n in sorted(g.status.items())},
+            })
+    return rows
+
+
+def table_rows(report: SweepReport) -> list[dict[str, str]]:
+    """The tables as printable rows (also the CSV), one per test set and arm."""
+    out = []
+    for row in json_rows(report):
+        is_ref = row["reference"]
+        ci = "" if row["ci_low"] is None else f"[{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
+        p_seeds = "" if row["p_seeds"] is None else f"{row['p_seeds']:.3f}"
+        out.append({
+            "test set": row["test_set"], "arm": row["arm"],
+            **{short(k): fmt(row[short(k)]) if short(k) in row else "" for k in report.varied_keys if k != "arm"},
+            "seeds": str(row["n_seeds"]),
+            "BLEU": _pm(row["bleu_mean"], row["bleu_sd"]), "chrF": _f(row["chrf_mean"]),
+            "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
+            "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
+            "p (seeds)": "ref" if is_ref else p_seeds,
+            "epochs": _f(row["epochs"], 1), "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
+            "converged": "no (still improving)" if row["still_improving"] else "yes",
+            "BERT": row["bert"] or "—", "BERT quality": _f(row["bert_quality"], 3),
+            "params (M)": _f((row["parameters"] or 0) / 1e6, 2), "trials": ", ".join(f"{n} {s}" for s, n in
+                                                                                    row["trials"].items()),
+        })
+    return out
+
+
+def render_markdown(report: SweepReport) -> str:
+    """The tables in Markdown, one per test set, with what they mean and the warnings."""
+    ref = report.reference.label if report.reference is not None else "—"
+    head = [f"### {report.sweep}: {report.space.get('description') or report.study}", "",
+            f"Protocol: {report.protocol or 'not recorded'}. Reference row: `{ref}`. BLEU: sacreBLEU, detokenized, "
+            "mean ± sd over seeds. ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds "
+            "pooled) against the reference; p (seeds): paired t-test across seeds. "
+            f"Parent run `{report.parent_run_id}`.", ""]
+    rows = table_rows(report)
+    if not rows:
+        return "\n".join(head + ["(no trials)"]) + "\n"
+    lines: list[str] = []
+    for split in report.test_splits:
+        part = [{k: v for k, v in r.items() if k != "test set"} for r in rows if r["test set"] == split]
+        cols = list(part[0])
+        lines += [f"**{split}**", "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
+    tail = [f"- warning: {w}" for w in report.warnings]
+    return "\n".join(head + lines + tail) + "\n"
+
+
+def write_report(report: SweepReport, out_dir: str | os.PathLike) -> list[Path]:
+    """Write table.md, table.csv, table.json, report.json and the figures into ``out_dir``; returns the files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "table.md", out / "table.json", out / "report.json"]
+    files[0].write_text(render_markdown(report), encoding="utf-8")
+    files[1].write_text(json.dumps(json_rows(report), indent=1, default=str) + "\n", encoding="utf-8")
+    files[2].write_text(json.dumps(_to_json(report), indent=1, default=str) + "\n", encoding="utf-8")
+    rows = table_rows(report)
+    if rows:
+        path = out / "table.csv"
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        files.append(path)
+    return files + figures(report, out)
+
+
+def make_report(sweep: str, tracking_uri: str | os.PathLike | None = None, out_dir: str | os.PathLike = "report",
+                log: bool = True, n_bootstrap: int = 1000) -> list[Path]:
+    """Build, write and (``log``) attach the report to the sweep's parent run under ``report/``."""
+    report = build_report(sweep, tracking_uri, n_bootstrap=n_bootstrap)
+    files = write_report(report, out_dir)
+    if log:
+        tracking.log_run_artifacts(report.parent_run_id, files, "report", report.tracking_uri)
+    return files
+
+
+# ================================================================================== utilities
+def _to_json(report: SweepReport) -> dict[str, Any]:
+    return {"sweep": report.sweep, "parent_run_id": report.parent_run_id, "study": report.study,
+            "space": report.space, "metric": report.metric, "test_splits": report.test_splits,
+            "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
+            "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
+            "warnings": report.warnings}
+
+
+def _sd(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def _pm(m: float | None, sd: float | None) -> str:
+    if m is None:
+        return ""
+    return f"{m:.2f}" if sd is None else f"{m:.2f} ± {sd:.2f}"
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
+def _p(p: float) -> str:
+    return f"{p:.3f}" + (" *" if p < 0.05 else "")

@@ -1,0 +1,288 @@
+"""A sweep's results, read back from MLflow alone and compared: one :class:`Group` per configuration, the
+reference (the control arm, or the space's reference), and per test set each arm's :class:`Comparison` with
+it (Δ, 95% interval and p from a paired bootstrap over the pooled seeds; a paired t-test across seeds).
+:mod:`nmtcore.sweep.report` renders them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from nmtcore import bleu, tracking
+from nmtcore.engine.summary import still_improving
+from nmtcore.sweep.lifecycle import (
+    ARM_TAG,
+    CONTROL_TAG,
+    SWEEP_TAG,
+    find_sweep_run,
+    sweep_children,
+    trial_state,
+)
+from nmtcore.sweep.space import CONTROL
+
+CONFIG_KEY_TAG = "nmtcore.config_key"
+SEED_TAG = "nmtcore.seed"
+
+
+@dataclass
+class Comparison:
+    """One arm against the reference (control) on one test set."""
+
+    delta: float | None = None  # mean BLEU over seeds minus the reference's
+    ci_low: float | None = None  # 95% bootstrap interval of the pooled-corpus BLEU difference
+    ci_high: float | None = None
+    p: float | None = None  # two-sided paired bootstrap
+    p_seeds: float | None = None  # paired t-test across seeds (>= 2 seeds)
+    pooled_seeds: int = 0
+
+    @property
+    def significant(self) -> bool:
+        """The interval excludes 0."""
+        return self.ci_low is not None and (self.ci_low > 0 or self.ci_high < 0)
+
+
+@dataclass
+class Group:
+    """The trials of one configuration (all seeds)."""
+
+    config_key: str
+    label: str
+    control: bool
+    values: dict[str, Any]  # varied key → value
+    runs: list[tracking.RunRecord]
+    order: int  # first Tune trial index: the grid's order
+    bleu: dict[str, dict[str, float]] = field(default_factory=dict)  # test set → seed → BLEU
+    chrf: dict[str, dict[str, float]] = field(default_factory=dict)
+    valid_metric: list[float] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    updates: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    parameters: float | None = None
+    tokens_per_s: float | None = None
+    still_improving: int = 0  # completed runs whose validation loss was still falling at the end
+    status: dict[str, int] = field(default_factory=dict)
+    bert: str = ""
+    bert_quality: float | None = None
+    comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
+
+
+@dataclass
+class SweepReport:
+    """Everything the files say, computed once."""
+
+    sweep: str
+    parent_run_id: str
+    tracking_uri: str
+    study: str
+    space: dict[str, Any]
+    varied_keys: list[str]
+    metric: str
+    test_splits: list[str]
+    protocol: str
+    groups: list[Group]
+    reference: Group | None
+    warnings: list[str]
+
+
+# ================================================================================== building
+def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
+                 bootstrap_seed: int = 12345) -> SweepReport:
+    """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests)."""
+    uri = tracking.resolve_tracking_uri(tracking_uri)
+    parent = find_sweep_run(sweep, uri)
+    space = json.loads(parent.tags.get("nmtcore.space_json", "{}") or "{}")
+    varied = [k for k in parent.tags.get("nmtcore.varied_keys", "").split(",") if k]
+    splits = [s for s in (parent.tags.get("nmtcore.test_splits") or parent.tags.get("nmtcore.test_split", "")).split(",")
+              if s]
+    metric = space.get("metric", "valid_bleu")
+    by_key: dict[str, list[tracking.RunRecord]] = {}
+    for run in sweep_children(parent.run_id, uri):
+        by_key.setdefault(run.tags.get(CONFIG_KEY_TAG, run.run_id), []).append(run)
+    histories = {r.run_id: _valid_losses(r, uri) for runs in by_key.values() for r in runs}
+    groups = [_group(key, runs, varied, splits, metric, histories) for key, runs in by_key.items()]
+    groups.sort(key=lambda g: (not g.control, g.order, g.config_key))
+    reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
+    warnings: list[str] = []
+    if reference is not None and n_bootstrap > 0:
+        for g in groups:
+            if g is not reference:
+                for split in splits:
+                    g.comparisons[split] = _compare(reference, g, split, uri, n_bootstrap, bootstrap_seed, warnings)
+    warnings += _identical_trajectories(groups, histories)
+    for g in groups:
+        if g.status.get("failed"):
+            reasons = {r.tags.get(tracking.FAILURE_REASON_TAG, "") for r in g.runs if r.status == "FAILED"}
+            warnings.append(f"{g.label}: {g.status['failed']} trial(s) failed: {'; '.join(sorted(reasons))}")
+        if g.still_improving:
+            warnings.append(f"{g.label}: validation loss still falling at the last epoch in {g.still_improving} "
+                            "run(s): the budget stopped it before it converged")
+    if parent.tags.get("nmtcore.baseline_converged") == "false":
+        warnings.append("the shared baseline's validation loss was still falling at its last epoch: arms start "
+                        "from a model that had not converged")
+    return SweepReport(sweep=parent.tags.get(SWEEP_TAG, sweep), parent_run_id=parent.run_id, tracking_uri=uri,
+                       study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
+                       test_splits=splits, protocol=parent.tags.get("nmtcore.protocol", ""), groups=groups,
+                       reference=reference, warnings=warnings)
+
+
+def _valid_losses(run: tracking.RunRecord, uri: str) -> list[float]:
+    try:
+        return [v for _, v in tracking.get_run_metrics(run.run_id, uri).get("valid_loss", [])]
+    except tracking.TrackingError:
+        return []
+
+
+def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: list[str], metric: str,
+           histories: dict[str, list[float]]) -> Group:
+    first = runs[0]
+    control = first.tags.get(CONTROL_TAG) == "true"
+    values = {} if control else {k: _parse(first.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in first.tags}
+    label = CONTROL if control else first.tags.get(ARM_TAG) or ", ".join(f"{short(k)}={fmt(v)}"
+                                                                          for k, v in values.items()) or "base"
+    g = Group(config_key=key, label=label, control=control, values=values, runs=runs,
+              order=min(_trial_index(r) for r in runs))
+    p = first.params
+    g.bert = p.get("model.bert.name") or (f"L{p['model.bert.layers']}-H{p['model.bert.hidden']}"
+                                          if p.get("model.bert.layers", "0") not in ("0", "") else "")
+    quality = first.tags.get("nmtcore.bert_quality")
+    g.bert_quality = float(quality) if quality else None
+    for r in runs:
+        state = trial_state(r)
+        g.status[state] = g.status.get(state, 0) + 1
+        if metric in r.metrics:
+            g.valid_metric.append(r.metrics[metric])
+        if state != "complete":
+            continue
+        seed = r.tags.get(SEED_TAG, "")
+        for split in splits:
+            if f"test/{split}/bleu" in r.metrics:
+                g.bleu.setdefault(split, {})[seed] = r.metrics[f"test/{split}/bleu"]
+                g.chrf.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/chrf", math.nan)
+        history = histories.get(r.run_id, [])
+        g.epochs.append(len(history))
+        g.still_improving += still_improving(history)
+        for attr, metric_key in (("updates", "final/num_updates"), ("wall_s", "cost/wall_s"), ("cpu_s", "cost/cpu_s")):
+            if metric_key in r.metrics:
+                getattr(g, attr).append(r.metrics[metric_key])
+    complete = [r for r in runs if trial_state(r) == "complete"]
+    g.parameters = mean([r.metrics["cost/parameters"] for r in complete if "cost/parameters" in r.metrics])
+    g.tokens_per_s = mean([r.metrics["cost/train_tokens_per_s"] for r in complete
+                            if "cost/train_tokens_per_s" in r.metrics])
+    return g
+
+
+def _find_reference(groups: list[Group], reference: Any) -> Group | None:
+    if not groups:
+        return None
+    if reference is None:
+        return groups[0]
+    want = {"arm": reference} if isinstance(reference, str) else dict(reference)
+    for g in groups:
+        if all(k in g.values and _same(g.values[k], v) for k, v in want.items()):
+            return g
+    return groups[0]
+
+
+def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warnings: list[str]) -> Comparison:
+    """Paired bootstrap of ``g`` against ``ref`` on the pooled hypotheses of the seeds both completed, and a
+    paired t-test across those seeds."""
+    a, b = ref.bleu.get(split, {}), g.bleu.get(split, {})
+    seeds = sorted(set(a) & set(b))
+    out = Comparison(pooled_seeds=len(seeds))
+    if not seeds:
+        return out
+    out.delta = statistics.mean(b[s] for s in seeds) - statistics.mean(a[s] for s in seeds)
+    if len(seeds) >= 2:
+        from scipy import stats
+
+        diffs = [b[s] - a[s] for s in seeds]
+        out.p_seeds = 1.0 if all(d == 0 for d in diffs) else float(stats.ttest_1samp(diffs, 0.0).pvalue)
+    runs_a = {r.tags.get(SEED_TAG, ""): r for r in ref.runs if trial_state(r) == "complete"}
+    runs_b = {r.tags.get(SEED_TAG, ""): r for r in g.runs if trial_state(r) == "complete"}
+    hyps_a: list[str] = []
+    hyps_b: list[str] = []
+    refs: list[str] = []
+    try:
+        for s in seeds:
+            name = f"{split}.{runs_a[s].params.get('data.tgt_lang', '')}"
+            hyps_a += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"hypotheses/{name}", uri))
+            hyps_b += _lines(tracking.read_artifact_text(runs_b[s].run_id, f"hypotheses/{name}", uri))
+            refs += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"references/{name}", uri))
+        result = bleu.paired_bootstrap(hyps_a, hyps_b, refs, n_samples=n, seed=seed)
+    except (tracking.TrackingError, OSError, ValueError) as e:
+        warnings.append(f"{g.label} ({split}): no paired bootstrap ({e})")
+        return out
+    out.ci_low, out.ci_high = result.ci_diff
+    out.p = result.p_value_two_sided
+    return out
+
+
+def _identical_trajectories(groups: list[Group], histories: dict[str, list[float]]) -> list[str]:
+    """Different configurations with the same seed and bit-identical validation losses: the varied keys
+    never reached the model, the failure mode a sweep platform must not hide."""
+    seen: dict[tuple[str, tuple[float, ...]], Group] = {}
+    out: list[str] = []
+    for g in groups:
+        for r in g.runs:
+            history = histories.get(r.run_id, [])
+            if trial_state(r) != "complete" or not history:
+                continue
+            other = seen.setdefault((r.tags.get(SEED_TAG, ""), tuple(history)), g)
+            if other is not g:
+                out.append(f"{other.label} and {g.label} trained identically (same validation loss at every "
+                           "epoch): the varied keys did not reach the model")
+    return out
+
+
+# ================================================================================== utilities
+def _trial_index(run: tracking.RunRecord) -> int:
+    tid = run.tags.get("nmtcore.tune_trial_id", "")
+    try:
+        return int(tid.rsplit("_", 1)[-1])
+    except ValueError:
+        return 10**9
+
+
+def _parse(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    return str(a) == str(b)
+
+
+def sort_key(v: Any) -> tuple[int, Any]:
+    """Numbers in order, then anything else by its text."""
+    return (0, float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, str(v))
+
+
+def mean(xs: list[float]) -> float | None:
+    """The mean of the finite values, None if there is none."""
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def short(key: str) -> str:
+    """A config key without its section: ``model.bert.layers`` → ``layers``."""
+    return key.rsplit(".", 1)[-1] if key.startswith(("model.", "train.", "data.", "decode.")) else key
+
+
+def fmt(v: Any) -> str:
+    """A value as a table shows it (floats to 4 significant digits)."""
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines()

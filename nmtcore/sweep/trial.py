@@ -1,0 +1,159 @@
+"""A sweep trial apart from Ray: what it is shipped (:class:`SweepContext`), how its child run is tagged and
+finished (:class:`TrialTracking`), how its final metrics are read back, and how a failure becomes one line.
+The Ray side (:mod:`nmtcore.sweep.ray_backend`) calls these."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from nmtcore import tracking
+from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
+from nmtcore.config import ExperimentConfig
+from nmtcore.engine import RunSummary, Trainer
+from nmtcore.sweep.lifecycle import (
+    ARM_TAG,
+    CONTROL_TAG,
+    SWEEP_TAG,
+    TRIAL_STATE_TAG,
+    TrialState,
+)
+from nmtcore.sweep.plan import SEED_KEY, config_key, plain
+from nmtcore.sweep.space import CONTROL, SearchSpace, point_label
+from nmtcore.tracking.callback import TrackingCallback
+
+
+class NonFiniteTrialError(RuntimeError):
+    """A trial's loss became NaN/inf; retrying would reproduce it, so the trial stays FAILED."""
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """Everything a trial needs, shipped once through the object store (``tune.with_parameters``)."""
+
+    name: str
+    space: SearchSpace
+    base: ExperimentConfig
+    base_seed: int
+    tracking_uri: str
+    parent_run_id: str
+    train_storage: str
+    scratch_dir: str
+    workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    threads_per_worker: int
+    controller_failure_limit: int
+    metric: str
+    test_split: str
+    trial_callbacks: tuple[Any, ...] = ()
+
+    def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
+        """Tags of a trial's child run: the sweep, the study, its arm (``control`` or the point's label), the
+        varied keys and their values, the seed, where it warm-started from."""
+        tags = {SWEEP_TAG: self.name, "nmtcore.study": self.space.study, "nmtcore.space": self.space.name,
+                "nmtcore.model": overrides.get("model.name") or self.base.model.name,
+                "nmtcore.varied_keys": ",".join(self.space.varied_keys), "nmtcore.config_key": config_key(overrides),
+                "nmtcore.seed": overrides.get(SEED_KEY, self.base_seed),
+                ARM_TAG: CONTROL if control else point_label(point), CONTROL_TAG: str(control).lower(),
+                "nmtcore.warm_start": self.base.train.init_from or "none (from scratch)"}
+        for key, value in point.items():
+            tags[f"varied.{key}"] = plain(value)
+        return tags
+
+
+def final_metrics_from_run(run: tracking.RunRecord) -> dict[str, Any]:
+    metrics = {k: v for k, v in run.metrics.items() if not k.startswith(("update/", "final/", "cost/", "test/"))}
+    for key, value in run.metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "test" and parts[2] in ("bleu", "chrf"):
+            metrics.setdefault(f"test_{parts[2]}", value)
+    metrics["trial_complete"] = 1.0
+    metrics["deduplicated"] = 1.0
+    return metrics
+
+
+class TrialTracking(TrackingCallback):
+    """The child run's record (rank 0): the tracker's config/epoch/test logging plus the trial's node
+    ids, cost figures, test references (for the report's paired bootstrap) and the completion mark."""
+
+    def __init__(self, tracker: tracking.Tracker, cfg: ExperimentConfig, reporter: Any,
+                 node_ids: list[str], gpus: float, extra_tags: Mapping[str, Any]) -> None:
+        super().__init__(tracker, cfg)
+        self.reporter, self.node_ids, self.gpus, self.extra_tags = reporter, node_ids, gpus, dict(extra_tags)
+        self.t0 = time.perf_counter()
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        super().on_train_start(trainer)
+        self.tracker.set_tags({**self.extra_tags, "nmtcore.node_ids": ",".join(self.node_ids),
+                               "nmtcore.world_size": trainer.world_size})
+
+    def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        super().on_train_end(trainer, summary)
+        wall = time.perf_counter() - self.t0
+        cost = {"cost/parameters": summary.parameters, "cost/trainable_parameters": summary.trainable_parameters,
+                "cost/train_tokens_per_s": summary.train_tokens_per_s,
+                "cost/wall_s": wall, "cost/cpu_s": self.reporter.cpu_s, "cost/gpu_s": wall * self.gpus}
+        self.tracker.log_metrics(cost, step=summary.epochs)
+        for name in self.cfg.data.test_splits:
+            refs = trainer.data.splits[name].raw_tgt
+            self.tracker.log_text("".join(r + "\n" for r in refs), f"references/{name}.{self.cfg.data.tgt_lang}")
+        self.tracker.set_tags({TRIAL_STATE_TAG: TrialState.COMPLETE.value})
+
+
+def last_epoch_metrics(cfg: ExperimentConfig) -> dict[str, float]:
+    """The newest epoch's validation metrics (from the newest checkpoint's history), so the final
+    report to Tune still carries the searched metric."""
+    save_dir = Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints")
+    ckpts = epoch_checkpoints(save_dir)
+    if not ckpts:
+        return {}
+    history = load_checkpoint(ckpts[-1])["train_state"]["history"]
+    return {k: float(v) for k, v in history[-1].items()} if history else {}
+
+
+def failure_reason(e: BaseException) -> str:
+    """The innermost cause of a (possibly Ray-wrapped) trial failure, as one line."""
+    inner: BaseException = e
+    failures = getattr(inner, "worker_failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+    cause = getattr(inner, "cause", None)  # RayTaskError keeps the user exception here
+    if isinstance(cause, BaseException):
+        inner = cause
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    text = str(inner)
+    # A Ray-wrapped error prints the worker's traceback: its last "Name: message" line is the cause.
+    for line in reversed(text.splitlines()):
+        head = line.split(":", 1)[0].strip()
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return tracking.failure_reason(RuntimeError(line.strip())).replace("RuntimeError: ", "", 1)
+    return tracking.failure_reason(inner)
+
+
+def all_gather(value: str) -> list[str]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return [str(v) for v in out]
+    return [value]
+
+
+def all_reduce_sum(value: float) -> float:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import torch
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+    return value
+
+
+def epoch_of(path: Path) -> int:
+    digits = "".join(c for c in path.stem if c.isdigit())
+    return int(digits) if digits else -1

@@ -1,0 +1,58 @@
+"""Feeds one training run into one :class:`~nmtcore.tracking.store.Tracker`: the trainer's callback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from nmtcore.engine import Callback
+from nmtcore.tracking.provenance import provenance_tags
+from nmtcore.tracking.store import Tracker
+
+if TYPE_CHECKING:
+    from nmtcore.config import ExperimentConfig
+    from nmtcore.engine import RunSummary, Trainer
+
+
+class TrackingCallback(Callback):
+    """Config and provenance at start, update-level training figures (step = update), per-epoch metrics
+    (step = epoch), and at the end the test scores, cost figures, hypotheses and a summary JSON."""
+
+    def __init__(self, tracker: Tracker, cfg: "ExperimentConfig") -> None:
+        self.tracker, self.cfg = tracker, cfg
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        self.tracker.log_config(self.cfg)
+        tags = {f"nmtcore.checksum.{k}": v for k, v in trainer.data.checksums.items()}
+        tags.update({"nmtcore.model": self.cfg.model.name, "nmtcore.corpus": self.cfg.data.corpus,
+                     "nmtcore.langs": f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
+                     "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype)})
+        self.tracker.set_tags(provenance_tags(tags))
+
+    def on_log(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+        self.tracker.log_metrics({f"update/{k}": v for k, v in metrics.items() if k != "num_updates"},
+                                 step=int(trainer.state.num_updates))
+
+    def on_epoch_end(self, trainer: "Trainer", epoch: int, metrics: Mapping[str, float],
+                     checkpoint: Path | None) -> None:
+        self.tracker.log_metrics(metrics, step=epoch)
+
+    def on_train_end(self, trainer: "Trainer", summary: "RunSummary") -> None:
+        final: dict[str, float] = {}
+        for split, scores in summary.test.items():
+            final[f"test/{split}/bleu"] = scores.bleu
+            final[f"test/{split}/chrf"] = scores.chrf
+            final[f"test/{split}/sentences_per_s"] = scores.sentences_per_s
+            self.tracker.log_artifact(scores.hyp_path, artifact_path="hypotheses")
+            self.tracker.set_tags({f"nmtcore.bleu_signature.{split}": scores.signature})
+        figures = {"parameters": summary.parameters, "trainable_parameters": summary.trainable_parameters,
+                   "train_tokens_per_s": summary.train_tokens_per_s, "fit_wall_s": summary.fit.fit_wall_s,
+                   "num_updates": summary.fit.num_updates, "best_valid_loss": summary.fit.best_valid_loss}
+        final.update({f"final/{k}": float(v) for k, v in figures.items() if math.isfinite(float(v))})
+        self.tracker.log_metrics(final, step=summary.epochs)
+        if summary.warm_start is not None:  # how much of the baseline this run started from
+            w = summary.warm_start
+            self.tracker.set_tags({"nmtcore.warm_start_source": w.source, "nmtcore.warm_start_loaded": w.loaded,
+                                   "nmtcore.warm_start_fresh": w.fresh})
+        self.tracker.log_dict(summary.to_dict(), "summary.json")

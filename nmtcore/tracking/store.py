@@ -1,0 +1,498 @@
+"""The MLflow store: the one module of nmtcore that imports MLflow.
+
+A :class:`Tracker` wraps exactly one MLflow run through :class:`mlflow.MlflowClient` with explicit run ids,
+never MLflow's global "active run" stack, so several trackers (a sweep's parent run and its trial runs, or
+two trainings in one test) coexist in one process. Everything the rest of nmtcore needs (start, resume,
+log, end, read back, search) is here; callers never touch MLflow objects and only see
+:class:`~nmtcore.tracking.errors.TrackingError`. Where runs are stored: :mod:`nmtcore.tracking.uri`.
+Artifacts of experiments created here go next to a sqlite database (``<db dir>/artifacts``), not into
+MLflow's default ``./mlruns`` of whatever directory the first run happened to start in. The file store
+(``file:./mlruns``) is in maintenance mode in MLflow 3 and is not used. Create a new sqlite store from one
+process (the sweep driver's parent run does it) before parallel trials open it: creating its schema takes
+seconds and is not meant to run concurrently.
+
+Failure policy — tracking is part of the experiment's record, so:
+
+* **at start** (constructing a :class:`Tracker`) every problem is fatal and fast: an unreachable
+  server fails after one attempt (no retry back-off; ``start_timeout_s`` bounds a hanging
+  connection) and an unwritable store directory fails before MLflow touches it, each with a
+  one-line :class:`TrackingError` naming the URI or path;
+* **mid-run**, MLflow first retries transient HTTP errors itself (``MLFLOW_HTTP_REQUEST_*``
+  settings); a call that still fails with a transient error (connection error, HTTP 5xx, sqlite
+  "database is locked") is logged as a warning and counted in :attr:`Tracker.failed_calls`
+  instead of killing hours of training. ``strict=True`` makes those raise too. Errors that are the
+  caller's fault (e.g. a resumed run logging a *different* value for an existing param) always raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+)
+
+from nmtcore.tracking.errors import TrackingError, one_line, truncate
+from nmtcore.tracking.provenance import failure_reason, tag_value
+from nmtcore.tracking.uri import check_local_store, resolve_tracking_uri, sqlite_path
+
+if TYPE_CHECKING:
+    from nmtcore.config import ExperimentConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FAILURE_REASON_TAG = "nmtcore.failure_reason"
+PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
+END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+DEFAULT_EXPERIMENT = "nmtcore"
+
+# Serialises temporary MLflow environment overrides (_env_override); re-entrant so they may nest.
+_ENV_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _env_override(values: Mapping[str, str]) -> Iterator[None]:
+    """Set MLflow environment knobs (read per call) for the duration of a block, then restore them.
+
+    Process-wide: an MLflow call from another thread during the block sees them too.
+    """
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _fail_fast_http(timeout_s: float) -> contextlib.AbstractContextManager[None]:
+    """One attempt, bounded time: MLflow's defaults (7 retries, backoff factor 2, 120 s timeout)
+    would hang for minutes on a dead server before the first epoch. Mid-run calls keep the
+    user's retry settings."""
+    return _env_override({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(round(timeout_s))))})
+
+
+# ---------------------------------------------------------------------------------------- Tracker
+class Tracker:
+    """One MLflow run: start (or re-attach), log config/metrics/artifacts/tags, end.
+
+    The run starts in the constructor, so a dead tracking server or unwritable store fails before
+    any training work. Use as a context manager: leaving the block normally ends the run FINISHED;
+    an exception ends it FAILED (``KeyboardInterrupt``: KILLED; ``SystemExit(0)``: FINISHED) with the
+    one-line reason in the tag ``nmtcore.failure_reason``, and the exception propagates.
+
+    Args:
+        tracking_uri: MLflow tracking URI or ``.db`` path; ``None`` = :func:`default_tracking_uri`.
+        experiment: experiment name, created if missing (artifacts next to a sqlite store).
+            Ignored when ``parent_run_id`` or ``run_id`` is given (the run's experiment is used).
+        run_name: display name of a new run (MLflow invents one if ``None``).
+        parent_run_id: nest the new run under this run (tag ``mlflow.parentRunId``), created in the
+            parent's experiment so the UI can nest it.
+        run_id: re-attach to this existing run instead of creating one (resume after a crash); a
+            terminated run is set back to RUNNING.
+        tags: tags set at start, e.g. :func:`provenance_tags` plus data/vocabulary checksums.
+        strict: raise on transient mid-run logging failures instead of warning (see module doc).
+        start_timeout_s: bound on each HTTP request made while starting.
+    """
+
+    def __init__(self, tracking_uri: str | os.PathLike | None = None, experiment: str = DEFAULT_EXPERIMENT,
+                 run_name: str | None = None, parent_run_id: str | None = None, run_id: str | None = None,
+                 tags: Mapping[str, Any] | None = None, *, strict: bool = False,
+                 start_timeout_s: float = 10.0) -> None:
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.strict = strict
+        self.failed_calls = 0  # transient mid-run failures swallowed (strict=False)
+        self._ended = False
+        self.resumed = run_id is not None
+        store_dir = check_local_store(self.tracking_uri)
+        try:
+            with _fail_fast_http(start_timeout_s):
+                self._client = MlflowClient(self.tracking_uri)
+                if run_id is not None:
+                    run = self._reattach(run_id)
+                else:
+                    run = self._create(experiment, run_name, parent_run_id, tags, store_dir)
+        except TrackingError:
+            raise
+        except (MlflowException, OSError) as e:
+            raise TrackingError(f"cannot start MLflow run at {self.tracking_uri}: {one_line(e)}") from None
+        self._run_id: str = run.info.run_id
+        self.experiment_id: str = run.info.experiment_id
+        self.artifact_uri: str = run.info.artifact_uri
+        if run_id is not None and tags:
+            self.set_tags(tags)
+
+    def _create(self, experiment: str, run_name: str | None, parent_run_id: str | None,
+                tags: Mapping[str, Any] | None, store_dir: Path | None) -> Any:
+        all_tags = {k: tag_value(v) for k, v in (tags or {}).items()}
+        if parent_run_id is not None:
+            parent = self._get_run_or_fail(parent_run_id, "parent run")
+            experiment_id = parent.info.experiment_id
+            all_tags[PARENT_RUN_TAG] = parent_run_id
+        else:
+            experiment_id = self._experiment_id(experiment, store_dir)
+        return self._client.create_run(experiment_id, tags=all_tags, run_name=run_name)
+
+    def _reattach(self, run_id: str) -> Any:
+        run = self._get_run_or_fail(run_id, "run")
+        if run.info.lifecycle_stage == "deleted":
+            raise TrackingError(f"run {run_id} is deleted in {self.tracking_uri}; restore it or start a new run")
+        if run.info.status != "RUNNING":
+            self._client.update_run(run_id, status="RUNNING")
+        if FAILURE_REASON_TAG in run.data.tags:  # the previous attempt's reason is stale now
+            self._client.delete_tag(run_id, FAILURE_REASON_TAG)
+        attach = int(run.data.tags.get("nmtcore.attach_count", "0") or 0) + 1
+        self._client.set_tag(run_id, "nmtcore.attach_count", str(attach))
+        return run
+
+    def _get_run_or_fail(self, run_id: str, what: str) -> Any:
+        try:
+            return self._client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise TrackingError(f"{what} {run_id} not found in {self.tracking_uri}") from None
+            raise
+
+    def _experiment_id(self, name: str, store_dir: Path | None) -> str:
+        exp = self._client.get_experiment_by_name(name)
+        if exp is None:
+            location = str(store_dir / "artifacts") if store_dir is not None else None
+            try:
+                return self._client.create_experiment(name, artifact_location=location)
+            except MlflowException as e:
+                # Another process (a parallel trial) created it between our lookup and create.
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self._client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            raise TrackingError(f"experiment {name!r} is deleted in {self.tracking_uri}; "
+                                "restore it or use another name")
+        return exp.experiment_id
+
+    # ----------------------------------------------------------------------- properties & context
+    @property
+    def run_id(self) -> str:
+        """The MLflow run id (store it in checkpoints to re-attach on resume)."""
+        return self._run_id
+
+    @property
+    def ended(self) -> bool:
+        """Whether :meth:`end` has been called."""
+        return self._ended
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if self._ended:
+            return False
+        # sys.exit(0) inside the block is a normal end (e.g. an entry script's --smoke-test).
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            self.end("FINISHED")
+            return False
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        try:
+            self.set_tags({FAILURE_REASON_TAG: failure_reason(exc)})
+            self.end(status)
+        except Exception as e:  # never mask the exception that ended the run
+            logger.warning("could not mark MLflow run %s %s: %s", self._run_id, status, one_line(e))
+        return False
+
+    def __repr__(self) -> str:
+        return f"Tracker(run_id={self._run_id!r}, tracking_uri={self.tracking_uri!r})"
+
+    # ----------------------------------------------------------------------------------- logging
+    def log_config(self, cfg: "ExperimentConfig") -> None:
+        """Log every config field as a dotted param (``train.lr``) and the YAML as ``config.yaml``.
+
+        Sequences are logged in YAML flow style (``[0.9, 0.98]``), which reads well in the UI and
+        parses back through ``ExperimentConfig.with_overrides``; values longer than MLflow's limit
+        are truncated in the param (the artifact keeps them whole).
+        """
+        self.log_params(cfg.flat())
+        self.log_text(cfg.to_yaml(), "config.yaml")
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params (immutable in MLflow: re-logging the same value is fine, a new value raises)."""
+        entities = []
+        for key, value in params.items():
+            _check_key(key)
+            entities.append(Param(key, truncate(tag_value(value), MAX_PARAM_VAL_LENGTH)))
+        for batch in _chunks(entities, MAX_PARAMS_TAGS_PER_BATCH):
+            self._call("log params", self._client.log_batch, self._run_id, params=batch, synchronous=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log scalar metrics at ``step`` (use the epoch or update number, stable across resumes)."""
+        now = int(time.time() * 1000)
+        entities = []
+        for key, value in metrics.items():
+            _check_key(key)
+            entities.append(Metric(key, float(value), now, int(step)))
+        for batch in _chunks(entities, MAX_METRICS_PER_BATCH):
+            self._call("log metrics", self._client.log_batch, self._run_id, metrics=batch, synchronous=True)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set run tags (values stringified and truncated to MLflow's limit)."""
+        entities = []
+        for key, value in tags.items():
+            _check_key(key)
+            entities.append(RunTag(key, truncate(tag_value(value), MAX_TAG_VAL_LENGTH)))
+        for batch in _chunks(entities, MAX_PARAMS_TAGS_PER_BATCH):
+            self._call("set tags", self._client.log_batch, self._run_id, tags=batch, synchronous=True)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the artifact ``artifact_file`` (e.g. ``"hyps/test.de"``)."""
+        self._call("log text", self._client.log_text, self._run_id, text, artifact_file)
+
+    def log_dict(self, d: Mapping[str, Any], artifact_file: str) -> None:
+        """Store a dict as a JSON (``.json``) or YAML (``.yaml``/``.yml``) artifact."""
+        self._call("log dict", self._client.log_dict, self._run_id, dict(d), artifact_file)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Copy a local file into the run's artifacts (under ``artifact_path`` if given)."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"artifact {path} does not exist")
+        self._call("log artifact", self._client.log_artifact, self._run_id, os.fspath(path), artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Terminate the run with ``FINISHED``, ``FAILED`` or ``KILLED``; later calls do nothing."""
+        if status not in END_STATUSES:
+            raise ValueError(f"status must be one of {', '.join(END_STATUSES)}, got {status!r}")
+        if self._ended:
+            return
+        self._call("end run", self._client.set_terminated, self._run_id, status)
+        self._ended = True
+
+    def child(self, run_name: str | None = None, tags: Mapping[str, Any] | None = None) -> "Tracker":
+        """Start a run nested under this one, in the same store and experiment."""
+        return Tracker(self.tracking_uri, run_name=run_name, parent_run_id=self._run_id, tags=tags,
+                       strict=self.strict)
+
+    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        try:
+            return fn(*args, **kwargs)
+        except (MlflowException, OSError) as e:
+            if self.strict or not _is_transient(e):
+                raise TrackingError(f"MLflow {what} failed for run {self._run_id} at {self.tracking_uri}: "
+                                    f"{one_line(e)}") from e
+            self.failed_calls += 1
+            logger.warning("MLflow %s failed for run %s (%s); training continues", what, self._run_id,
+                           one_line(e))
+            return None
+
+
+# --------------------------------------------------------------------------------- read helpers
+@dataclass(frozen=True)
+class RunRecord:
+    """A run as plain data: latest metric values, params and tags as strings."""
+
+    run_id: str
+    run_name: str
+    experiment_id: str
+    status: str
+    start_time: int | None  # ms since the epoch
+    end_time: int | None
+    artifact_uri: str
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.tags.get(PARENT_RUN_TAG)
+
+
+def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | os.PathLike | None = None,
+              filter_string: str = "", parent_run_id: str | None = None) -> list[RunRecord]:
+    """All runs of ``experiment``, oldest first; optionally only children of ``parent_run_id``.
+
+    ``filter_string`` uses MLflow's search syntax (``"params.`model.name` = 'transformer'"``).
+    A missing experiment gives ``[]``; a missing sqlite store raises (reading must not create one).
+    """
+    with _reader(tracking_uri) as client:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return []
+        filters = [f for f in (filter_string.strip(),) if f]
+        if parent_run_id is not None:
+            filters.append(f"tags.`{PARENT_RUN_TAG}` = '{parent_run_id}'")
+        runs: list[RunRecord] = []
+        token = None
+        while True:
+            page = client.search_runs([exp.experiment_id], filter_string=" and ".join(filters),
+                                      order_by=["attributes.start_time ASC"], page_token=token)
+            runs.extend(_record(r) for r in page)
+            token = page.token
+            if not token:
+                return runs
+
+
+def get_run(run_id: str, tracking_uri: str | os.PathLike | None = None) -> RunRecord:
+    """One run by id."""
+    with _reader(tracking_uri) as client:
+        return _record(client.get_run(run_id))
+
+
+def get_run_metrics(run_id: str,
+                    tracking_uri: str | os.PathLike | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Full metric histories of a run: ``{"valid.bleu": [(step, value), ...]}`` sorted by step.
+
+    A step logged twice (e.g. re-run after a resume) appears twice, in logging order.
+    """
+    with _reader(tracking_uri) as client:
+        run = client.get_run(run_id)
+        out: dict[str, list[tuple[int, float]]] = {}
+        for key in sorted(run.data.metrics):
+            hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+            out[key] = [(int(m.step), float(m.value)) for m in hist]
+        return out
+
+
+def list_artifacts(run_id: str, tracking_uri: str | os.PathLike | None = None) -> list[str]:
+    """All artifact file paths of a run, recursively, sorted (``["config.yaml", "hyps/test.de"]``)."""
+    with _reader(tracking_uri) as client:
+        files: list[str] = []
+        pending: list[str | None] = [None]
+        while pending:
+            for info in client.list_artifacts(run_id, pending.pop()):
+                (pending if info.is_dir else files).append(info.path)
+        return sorted(files)
+
+
+def read_artifact_text(run_id: str, artifact_file: str, tracking_uri: str | os.PathLike | None = None) -> str:
+    """The text of one artifact file (downloaded to a temporary directory)."""
+    # No tqdm bar on stderr for a one-file read.
+    with _reader(tracking_uri) as client, tempfile.TemporaryDirectory() as tmp, \
+            _env_override({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
+        local = client.download_artifacts(run_id, artifact_file, tmp)
+        return Path(local).read_text(encoding="utf-8")
+
+
+def search_runs(filter_string: str, tracking_uri: str | os.PathLike | None = None) -> list[RunRecord]:
+    """Runs of every active experiment matching MLflow's ``filter_string``, oldest first."""
+    with _reader(tracking_uri) as client:
+        exp_ids = [e.experiment_id for e in client.search_experiments()]
+        runs: list[RunRecord] = []
+        token = None
+        while exp_ids:
+            page = client.search_runs(exp_ids, filter_string=filter_string,
+                                      order_by=["attributes.start_time ASC"], page_token=token)
+            runs.extend(_record(r) for r in page)
+            token = page.token
+            if not token:
+                break
+        return runs
+
+
+def terminate_run(run_id: str, status: str, tracking_uri: str | os.PathLike | None = None,
+                  reason: str | None = None, tags: Mapping[str, Any] | None = None,
+                  only_if_running: bool = True) -> bool:
+    """End a run from outside the process that trained in it (a sweep driver cleaning up after a
+    stopped or crashed trial): set ``tags`` and the one-line ``reason``, then the status. With
+    ``only_if_running`` a run that already ended keeps its status. Returns whether it was ended."""
+    if status not in END_STATUSES:
+        raise ValueError(f"status must be one of {', '.join(END_STATUSES)}, got {status!r}")
+    uri = resolve_tracking_uri(tracking_uri)
+    with _reader(uri) as client:
+        run = client.get_run(run_id)
+        if only_if_running and run.info.status != "RUNNING":
+            return False
+        all_tags = {k: truncate(tag_value(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
+        if reason:
+            all_tags[FAILURE_REASON_TAG] = truncate(" ".join(reason.split()), 500)
+        if all_tags:
+            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()], synchronous=True)
+        client.set_terminated(run_id, status)
+        return True
+
+
+def set_run_tags(run_id: str, tags: Mapping[str, Any], tracking_uri: str | os.PathLike | None = None) -> None:
+    """Set tags on any run by id (values stringified and truncated)."""
+    with _reader(tracking_uri) as client:
+        client.log_batch(run_id, tags=[RunTag(k, truncate(tag_value(v), MAX_TAG_VAL_LENGTH))
+                                       for k, v in tags.items()], synchronous=True)
+
+
+def log_run_artifacts(run_id: str, paths: list[str | os.PathLike], artifact_path: str | None = None,
+                      tracking_uri: str | os.PathLike | None = None) -> None:
+    """Copy local files into any run's artifacts by id, without touching its status (reports added to a
+    finished sweep's parent run)."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"artifact {path} does not exist")
+    with _reader(tracking_uri) as client:
+        for path in paths:
+            client.log_artifact(run_id, os.fspath(path), artifact_path)
+
+
+def quote(value: str) -> str:
+    """A value quoted for MLflow's search syntax."""
+    return value.replace("'", "\\'")
+
+
+# ------------------------------------------------------------------------------------- internals
+@contextlib.contextmanager
+def _reader(tracking_uri: str | os.PathLike | None) -> Iterator[MlflowClient]:
+    """A client for reading; MLflow errors become one-line :class:`TrackingError`s naming the URI."""
+    uri = resolve_tracking_uri(tracking_uri)
+    path, _ = sqlite_path(uri)
+    if path is not None and path != ":memory:" and not os.path.exists(path):
+        raise TrackingError(f"no tracking store at {path} ({uri})")
+    try:
+        yield MlflowClient(uri)
+    except (MlflowException, OSError) as e:
+        raise TrackingError(f"cannot read from {uri}: {one_line(e)}") from None
+
+
+def _record(run: Any) -> RunRecord:
+    info, data = run.info, run.data
+    return RunRecord(run_id=info.run_id, run_name=info.run_name or "", experiment_id=info.experiment_id,
+                     status=info.status, start_time=info.start_time, end_time=info.end_time,
+                     artifact_uri=info.artifact_uri, params=dict(data.params),
+                     metrics=dict(data.metrics), tags=dict(data.tags))
+
+
+def _is_transient(e: BaseException) -> bool:
+    # OSError covers requests' ConnectionError/Timeout; MLflow maps exhausted HTTP retries, 5xx
+    # answers and sqlite "database is locked" (TEMPORARILY_UNAVAILABLE) to status codes >= 500.
+    if isinstance(e, OSError):
+        return True
+    return isinstance(e, MlflowException) and e.get_http_status_code() >= 500
+
+
+def _check_key(key: str) -> None:
+    # Truncating keys could merge two params into one; better to refuse.
+    if not key or len(key) > MAX_ENTITY_KEY_LENGTH:
+        raise ValueError(f"MLflow key must have 1..{MAX_ENTITY_KEY_LENGTH} characters, got {key[:60]!r}"
+                         f" ({len(key)} characters)")
+
+
+def _chunks(items: list[T], size: int) -> Iterator[list[T]]:
+    for i in range(0, len(items), size):
+        yield items[i: i + size]

@@ -1,0 +1,20 @@
+"""Does BERT help? Each fusion of the packaged MiniLM against the control: the same Transformer trained the
+same way without BERT, both warm-started from the shared converged baseline (BERT-fused's procedure).
+
+Evaluated on both Multi30k test sets; run with ``--seeds 3`` for a test across seeds.
+"""
+
+from nmtcore.sweep.space import SearchSpace
+from search_spaces.protocols import MINILM, WARM_START
+
+STUDY = "bert_benefit"
+DEFAULTS = {**MINILM, "data.test_splits": ["test_2016_flickr", "test_2017_flickr"]}
+BUDGET = {"train.max_epochs": 5}
+
+SPACES = {
+    "bert_fused": SearchSpace(
+        STUDY, "bert_fused", "bert_fused", arms={"bert_fused": {"model.p_net": 1.0}}, protocol=WARM_START,
+        budget=BUDGET, defaults=DEFAULTS, citation="Zhu et al. 2020, Incorporating BERT into NMT",
+        description="BERT-fused (MiniLM, drop-net 1.0) vs the control, both warm-started from the baseline"),
+}
+DEFAULT = "bert_fused"

@@ -1,0 +1,122 @@
+"""The study protocol without Ray: the shared baseline is trained once and reused, keyed by exactly what
+determines its weights; a warm-started arm starts from the baseline's weights; the control differs from a
+BERT arm only in the BERT keys; warm starts that cannot work are refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import search_spaces
+from nmtcore.checkpoint import load_checkpoint
+from nmtcore.engine import build_trainer, warm_start
+from nmtcore.sweep import baseline as store
+from nmtcore.sweep import plan
+from nmtcore.sweep.space import SearchSpace, SpaceError, grid
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.tiny_bert import tiny_bert_dir
+from search_spaces.protocols import FROM_SCRATCH, WARM_START
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny baseline trained through the store, then asked for again."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    cfg = tiny_experiment(tmp, **{"train.max_epochs": 2})
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    lines: list[str] = []
+    first = store.ensure_baseline(cfg, tmp / "store", tracking_uri=uri, used_by="sweep-a", progress=lines.append)
+    again = store.ensure_baseline(cfg.with_overrides({"output_dir": str(tmp / "elsewhere"), "train.num_threads": 1,
+                                                      "decode.beam": 2}),
+                                  tmp / "store", tracking_uri=uri, used_by="sweep-b", progress=lines.append)
+    return cfg, tmp, uri, first, again, lines
+
+
+def test_a_baseline_is_trained_once_and_reused(trained):
+    from nmtcore import tracking
+
+    cfg, tmp, uri, first, again, lines = trained
+    assert first.trained_now and not again.trained_now and first.key == again.key
+    assert [u["used_by"] for u in store.uses(tmp / "store", first.key)] == ["sweep-a", "sweep-b"]
+    assert [u["trained_now"] for u in store.uses(tmp / "store", first.key)] == [True, False]
+    runs = tracking.search_runs(f"tags.`{store.KEY_TAG}` = '{first.key}'", uri)
+    assert len(runs) == 1 and runs[0].status == "FINISHED"  # one tracked training, linked by its key
+    assert first.meta["fit"]["epochs"] == 2 and len(first.meta["valid_losses"]) == 2
+    assert isinstance(first.meta["converged"], bool)
+    assert any("epoch 2/2" in line for line in lines) and any("reused" in line for line in lines)
+
+
+def test_weight_determining_fields_make_new_baselines(trained):
+    cfg, *_ = trained
+    checksums = {"train.xx": "a", "vocab": "v"}
+    key = store.baseline_key(cfg, checksums, code="c")
+    for change in ({"train.lr": 1e-3}, {"train.seed": 2}, {"model.dropout": 0.2}, {"data.max_tokens": 500},
+                   {"train.max_epochs": 3}, {"train.average_last": 2, "train.keep_last": 3}):
+        assert store.baseline_key(cfg.with_overrides(change), checksums, code="c") != key, change
+    assert store.baseline_key(cfg, {**checksums, "vocab": "w"}, code="c") != key  # other data or vocabulary
+    assert store.baseline_key(cfg, checksums, code="d") != key  # other training code
+    for same in ({"output_dir": "/elsewhere"}, {"train.num_threads": 2}, {"decode.beam": 1},
+                 {"train.log_interval": 3}, {"data.test_splits": ["valid"]}):
+        assert store.baseline_key(cfg.with_overrides(same), checksums, code="c") == key, same
+
+
+def test_code_digest_ignores_docstrings_but_not_code(tmp_path, monkeypatch):
+    digest = store.code_digest()
+    assert digest == store.code_digest() and len(digest) == 64
+
+
+def test_a_warm_started_arm_starts_from_the_baseline_weights(trained):
+    cfg, tmp, *_ = trained
+    first = trained[3]
+    arm = cfg.with_overrides({"model.name": "bert_fused", "model.bert.name": tiny_bert_dir(),
+                              "output_dir": str(tmp / "arm")})
+    trainer = build_trainer(arm, device=torch.device("cpu"))
+    loaded = warm_start(trainer.model, first.path, arm, trainer.data.vocab)
+    base = load_checkpoint(first.path)["model"]
+    own = trainer.model.state_dict()
+    assert set(loaded.loaded) == set(base) and loaded.fresh  # every baseline tensor loaded; BERT parts fresh
+    for name, tensor in base.items():
+        assert torch.equal(own[name], tensor), name
+    assert all(".bert_attn." in n or n.startswith("bert.") or n.endswith("drop_net_rng") for n in loaded.fresh)
+
+
+def test_the_control_differs_from_a_bert_arm_only_in_bert_keys():
+    base = tiny_experiment_base()
+    space = search_spaces.get_space("drop_net:grid")
+    cells = space.cells()
+    assert cells[0].control and cells[0].label == "control" and not any(c.control for c in cells[1:])
+    control = base.with_overrides(cells[0].overrides).flat()
+    arm = base.with_overrides(cells[-1].overrides).flat()
+    differ = {k for k in set(control) | set(arm) if control.get(k, "absent") != arm.get(k, "absent")}
+    assert differ and all(k == "model.name" or k.startswith("model.bert.") or k == "model.p_net" for k in differ)
+    assert control["model.name"] == "transformer" and not control["model.bert.name"]
+
+
+def tiny_experiment_base():
+    import tempfile
+    from pathlib import Path
+
+    return tiny_experiment(Path(tempfile.mkdtemp()), **{"model.bert.name": "minilm", "train.valid_bleu": True})
+
+
+def test_baseline_config_is_the_control_model_with_its_own_budget():
+    base = tiny_experiment_base().with_overrides({"train.max_epochs": 3})
+    space = SearchSpace("t", "v", "bert_fused", params={"model.p_net": grid((0.0, 1.0))},
+                        protocol=WARM_START.__class__(baseline_budget={"train.max_epochs": 7}))
+    b = plan.baseline_config(space, base)
+    assert b.model.name == "transformer" and not b.model.bert.enabled and b.train.max_epochs == 7
+
+
+def test_warm_starts_that_cannot_work_are_refused_up_front():
+    base = tiny_experiment_base()
+    jam = SearchSpace("t", "jam", "bert_jam", arms={"M0": {}}, protocol=WARM_START)
+    with pytest.raises(SpaceError, match="bert_jam cannot be warm-started"):
+        plan.validate_space(jam, base)
+    plan.validate_space(SearchSpace("t", "jam", "bert_jam", arms={"M0": {}}, protocol=FROM_SCRATCH), base)
+
+
+def test_every_bert_study_runs_under_the_protocol():
+    for space in search_spaces.all_spaces():
+        if space.study != "transformer_grid":
+            assert space.protocol is not None and space.protocol.control, space.name
+            assert space.cells()[0].control, space.name
