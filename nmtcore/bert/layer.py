@@ -100,7 +100,12 @@ class BertLayer(nn.Module):
         if not norm or norm[0] < 0 or norm[-1] > self.num_layers:
             raise BertError(f"BERT layers {tuple(wanted)} out of range for a {self.num_layers}-layer BERT (0..{self.num_layers})")
         self.layers: tuple[int, ...] = tuple(norm)
-        positions = config.max_position_embeddings
+        self.model_type: str = config.model_type
+        # RoBERTa-style position ids start after the padding id: two rows of the table are never used.
+        offset = config.pad_token_id + 1 if self.model_type in ("mpnet", "roberta", "xlm-roberta") else 0
+        positions = config.max_position_embeddings - offset
+        # Segment (token-type) embeddings: BERT's, which the document context ([CLS] ctx [SEP] sent [SEP]) needs.
+        self.segments: bool = self.model_type == "bert" and getattr(config, "type_vocab_size", 0) >= 2
         if cfg.max_length > positions:
             raise BertError(f"model.bert.max_length={cfg.max_length} exceeds the {positions} positions of BERT {self.resolved.spec}")
         self.max_length: int = cfg.max_length or positions
@@ -160,6 +165,9 @@ class BertLayer(nn.Module):
         comes from :attr:`context_source` when the model set one (``data``: the run's data, for sources that
         need the training split), else from ``model.bert.context``."""
         contexts = None
+        if (self.context_source is not None or self.cfg.context == "previous") and not self.segments:
+            raise BertError(f"BERT {self.resolved.spec} ({self.model_type}) has no segment embeddings, which a "
+                            "document context ([CLS] context [SEP] sentence [SEP]) needs: use a BERT-type encoder")
         if self.context_source is not None:
             contexts = list(self.context_source(split, data))
         elif self.cfg.context == "previous" and split.docs is not None:
@@ -195,8 +203,9 @@ class BertLayer(nn.Module):
     # ------------------------------------------------------------------ forward
     def run(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None) -> tuple[Tensor, ...]:
         """Run BERT: ids/mask/segments (B, Tb), mask True = padding → the requested states, each (B, Tb, H)."""
-        out = self.bert(input_ids=ids, attention_mask=(~mask).long(), token_type_ids=segments,
-                        output_hidden_states=True, return_dict=True)
+        types = {"token_type_ids": segments} if self.segments else {}
+        out = self.bert(input_ids=ids, attention_mask=(~mask).long(), output_hidden_states=True, return_dict=True,
+                        **types)
         return tuple(out.hidden_states[i] for i in self.layers)
 
     def forward(self, batch: "Batch") -> BertOut:

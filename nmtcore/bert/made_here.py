@@ -25,7 +25,7 @@ from nmtcore.files import sha256_file
 log = logging.getLogger("nmtcore.bert")
 
 PREFIX = "pretrained-here:"
-DEFAULT_STEPS = 1500  # = BertConfig.pretrain_steps; L2/H128 on Multi30k En: < 5 min on 2 cores
+DEFAULT_STEPS = 1500  # model.bert.pretrain_steps=0 means this; L2/H128 on Multi30k En: < 5 min on 2 cores
 DEFAULT_SEED = 1
 DEFAULT_VOCAB = 8000
 DEFAULT_MAX_LENGTH = 128
@@ -54,7 +54,7 @@ class PretrainSpec:
     @classmethod
     def for_size(cls, layers: int, hidden: int, corpus_lang: str, steps: int | None = None) -> "PretrainSpec":
         corpus, _, lang = corpus_lang.partition(":")
-        return cls(layers, hidden, corpus, lang, steps if steps is not None else DEFAULT_STEPS)
+        return cls(layers, hidden, corpus, lang, steps or DEFAULT_STEPS)  # 0 or None: the default
 
     @classmethod
     def parse(cls, name: str) -> "PretrainSpec":

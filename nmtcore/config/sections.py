@@ -8,8 +8,9 @@ sections and owns the one override engine.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 from pathlib import Path
 
@@ -102,10 +103,12 @@ class BertConfig:
     # Student state distilled from this BERT when train.kd_alpha < 1: the top encoder layer (CTNMT) or
     # layer M/2 (PLM-sponsored NMT, Eq. 4).
     kd_layer: str = "encoder_top"
-    # A size preset no published BERT answers is pretrained here (``nmtcore bert-pretrain``) on
-    # "<corpus>:<lang>" for pretrain_steps MLM updates; "" = the experiment's source side (nmtcore.bert.ensure_bert).
+    # A size no published BERT answers is made here (nmtcore.bert.resolve.offline_for_size): a truncation
+    # of a packaged encoder, else a student distilled here (English) or a BERT pretrained with MLM on
+    # "<corpus>:<lang>" (other languages). pretrain_corpus "" = the experiment's source side; its language
+    # picks the rule. pretrain_steps: the distillation / MLM updates of what is made; 0 = the recipe's default.
     pretrain_corpus: str = ""
-    pretrain_steps: int = 1500
+    pretrain_steps: int = 0
     cache_dir: str = ""  # where platform-made BERTs live; "" = data.cache_dir's default ($NMTCORE_CACHE)
 
     def __post_init__(self) -> None:
@@ -124,7 +127,8 @@ class BertConfig:
         check(self.pretrain_corpus == "" or (self.pretrain_corpus.count(":") == 1
                                              and all(self.pretrain_corpus.split(":"))),
               "model.bert.pretrain_corpus", f"must be '<corpus>:<lang>' or empty, got {self.pretrain_corpus!r}")
-        check(self.pretrain_steps >= 1, "model.bert.pretrain_steps", f"must be >= 1, got {self.pretrain_steps}")
+        check(self.pretrain_steps >= 0, "model.bert.pretrain_steps",
+              f"must be >= 0 (0 = the recipe's default), got {self.pretrain_steps}")
 
     @property
     def enabled(self) -> bool:
@@ -194,6 +198,50 @@ class PhaseConfig:
         check(self.glu_scale > 0, f"train.phases[{self.name}].glu_scale", f"must be > 0, got {self.glu_scale}")
 
 
+def scale_phases(phases: tuple[PhaseConfig, ...], scale: float) -> tuple[PhaseConfig, ...]:
+    """``train.phase_scale`` applied: every closed phase's epochs × ``scale``, rounded half up, at least 1
+    (an open-ended phase, 0 epochs, stays open). ``scale`` 1 returns ``phases`` unchanged."""
+    if scale == 1.0:
+        return phases
+    return tuple(replace(p, epochs=max(1, math.floor(p.epochs * scale + 0.5))) if p.epochs else p for p in phases)
+
+
+def describe_phases(phases: tuple[PhaseConfig, ...]) -> str:
+    """``warmup 40 + glu 10 + finetune 10`` (an open-ended phase reads ``name open``)."""
+    return " + ".join(f"{p.name} {p.epochs or 'open'}" for p in phases)
+
+
+def check_schedule_budget(phases: tuple[PhaseConfig, ...], max_epochs: int, scale: float, source: str) -> None:
+    """A phase schedule is honoured or refused: raise a one-line :class:`ConfigError` when
+    ``train.max_epochs`` cannot run every phase of ``phases`` scaled by ``scale`` (an open-ended last phase
+    needs at least one epoch), naming both numbers and the two ways out. ``source`` says where the schedule
+    comes from (``train.phases``, or the model's default schedule)."""
+    if not phases:
+        return
+    run = scale_phases(phases, scale)
+    need = sum(p.epochs for p in run) + (1 if run[-1].epochs == 0 else 0)
+    if max_epochs >= need:
+        return
+    scaled = f" scaled by train.phase_scale={scale:g} to {describe_phases(run)}" if scale != 1.0 else ""
+    hint = ""
+    if len(phases) <= max_epochs:  # every phase keeps >= 1 epoch: some scale fits
+        s = suggest_phase_scale(phases, max_epochs)
+        hint = f", or scale the schedule: train.phase_scale={s:g} gives {describe_phases(scale_phases(phases, s))}"
+    raise ConfigError(f"train.max_epochs: {max_epochs} epochs cannot run the {need}-epoch phase schedule of "
+                      f"{source} ({describe_phases(phases)}{scaled}); set train.max_epochs >= {need}{hint}")
+
+
+def suggest_phase_scale(phases: tuple[PhaseConfig, ...], max_epochs: int) -> float:
+    """A ``train.phase_scale`` to suggest: ``max_epochs`` / the schedule's length (floored to 0.01), lowered
+    in steps of 0.01 until the rounded schedule fits ``max_epochs``."""
+    closed = sum(p.epochs for p in phases)
+    open_end = 1 if phases[-1].epochs == 0 else 0
+    s = math.floor(100 * (max_epochs - open_end) / max(closed, 1)) / 100
+    while s > 0.01 and sum(p.epochs for p in scale_phases(phases, s)) + open_end > max_epochs:
+        s = round(s - 0.01, 2)
+    return max(s, 0.01)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, checkpointing and stopping. fairseq semantics for the LR schedule."""
@@ -214,7 +262,9 @@ class TrainConfig:
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     keep_last: int = 3  # epoch checkpoints kept on disk
-    average_last: int = 0  # average the last K epoch checkpoints at the end; 0 = off
+    # Average the last K epoch checkpoints (of the last phase, with a schedule) into the tested model; 0 = off.
+    # BERT-JAM averages the last 10 epochs (Section 3); its studies scale K with the schedule.
+    average_last: int = 0
     valid_bleu: bool = True  # greedy-decode the validation set each epoch for BLEU
     log_interval: int = 50
     save_dir: str = ""  # "" = <experiment.output_dir>/checkpoints
@@ -223,6 +273,10 @@ class TrainConfig:
     # Phase schedule (BERT-JAM's three phases); () = the model's default_phases() if it has one, else a
     # single implicit phase that leaves requires_grad as the model set it. See PhaseConfig.
     phases: tuple[PhaseConfig, ...] = ()
+    # Every phase's epochs × phase_scale (rounded half up, each >= 1), for the configured or the model's own
+    # schedule: the explicit way to run a long schedule (BERT-JAM's 40/10/10) on a small budget, logged by
+    # the trainer. A schedule longer than max_epochs is refused, never cut (check_schedule_budget).
+    phase_scale: float = 1.0
     # Warm start: a trained checkpoint (e.g. the baseline's) whose matching weights initialise the model
     # before training; new parameters (BERT attention) stay fresh. Ignored when resuming.
     init_from: str = ""
@@ -253,6 +307,19 @@ class TrainConfig:
         check(len(set(names)) == len(names), "train.phases", f"phase names must be unique, got {names}")
         check(all(p.epochs > 0 for p in self.phases[:-1]), "train.phases",
               "only the last phase may be open-ended (epochs = 0)")
+        check(math.isfinite(self.phase_scale) and self.phase_scale > 0, "train.phase_scale",
+              f"must be > 0, got {self.phase_scale}")
+        check_schedule_budget(self.phases, self.max_epochs, self.phase_scale, "train.phases")
+
+    def schedule(self, phases: tuple[PhaseConfig, ...], source: str) -> tuple[PhaseConfig, ...]:
+        """``phases`` (``train.phases`` or a model's default schedule) as this config runs them: scaled by
+        ``phase_scale`` and checked against ``max_epochs`` (a one-line :class:`ConfigError` if they do not
+        fit). Validated as ``train.phases`` are."""
+        if not phases:
+            return ()
+        check_schedule_budget(phases, self.max_epochs, self.phase_scale, source)
+        replace(self, phases=phases)  # the rest of a configured schedule's validation (names, open end)
+        return scale_phases(phases, self.phase_scale)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
                 "still_improving": g.still_improving, "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
-                "bert": g.bert, "bert_quality": g.bert_quality,
-                "trials": {s: n for s, n in sorted(g.status.items())},
+                "bert": g.bert, "bert_layers": g.bert_layers, "bert_hidden": g.bert_hidden,
+                "bert_quality": g.bert_quality, "trials": {s: n for s, n in sorted(g.status.items())},
             })
     return rows
 
@@ -84,7 +84,9 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "p (seeds)": "ref" if is_ref else p_seeds,
             "epochs": _f(row["epochs"], 1), "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
             "converged": "no (still improving)" if row["still_improving"] else "yes",
-            "BERT": row["bert"] or "—", "BERT quality": _f(row["bert_quality"], 3),
+            "BERT": row["bert"] or "—",
+            "BERT L×H": f"{row['bert_layers']}×{row['bert_hidden']}" if row["bert_layers"] else "—",
+            "BERT quality": _f(row["bert_quality"], 3),
             "params (M)": _f((row["parameters"] or 0) / 1e6, 2), "trials": ", ".join(f"{n} {s}" for s, n in
                                                                                     row["trials"].items()),
         })

@@ -68,8 +68,10 @@ class Group:
     tokens_per_s: float | None = None
     still_improving: int = 0  # completed runs whose validation loss was still falling at the end
     status: dict[str, int] = field(default_factory=dict)
-    bert: str = ""
-    bert_quality: float | None = None
+    bert: str = ""  # the BERT as resolved (name, or size -> what answered it)
+    bert_layers: int | None = None
+    bert_hidden: int | None = None
+    bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
 
 
@@ -151,6 +153,12 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
     p = first.params
     g.bert = p.get("model.bert.name") or (f"L{p['model.bert.layers']}-H{p['model.bert.hidden']}"
                                           if p.get("model.bert.layers", "0") not in ("0", "") else "")
+    resolved = first.tags.get("nmtcore.bert_resolved", "")
+    if resolved and resolved != g.bert:  # a size: what answered it
+        g.bert = f"{g.bert} → {resolved}"
+    for attr in ("bert_layers", "bert_hidden"):
+        value = first.tags.get(f"nmtcore.{attr}")
+        setattr(g, attr, int(value) if value else None)
     quality = first.tags.get("nmtcore.bert_quality")
     g.bert_quality = float(quality) if quality else None
     for r in runs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from nmtcore.engine import Callback
 from nmtcore.tracking.provenance import provenance_tags
@@ -13,6 +13,30 @@ from nmtcore.tracking.store import Tracker
 if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
     from nmtcore.engine import RunSummary, Trainer
+
+
+def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
+    """What the run's BERT is: its name, where it was found, its size and type, and its quality figure on
+    held-out text of the source language (:mod:`nmtcore.bert.quality`) when it has been measured."""
+    from nmtcore.bert import bert_layers
+    from nmtcore.bert.quality import cached_quality
+
+    layers = bert_layers(model)
+    if not layers:
+        return {}
+    bl = layers[0]
+    r = bl.resolved
+    tags = {"nmtcore.bert": str(r.spec), "nmtcore.bert_resolved": r.name, "nmtcore.bert_source": r.source, "nmtcore.bert_path": str(r.path),
+            "nmtcore.bert_layers": str(bl.num_layers), "nmtcore.bert_hidden": str(bl.hidden_size),
+            "nmtcore.bert_type": bl.model_type}
+    try:
+        q = cached_quality(r, cfg.data.src_lang, Path(bl.cfg.cache_dir or cfg.data.resolved_cache_dir()))
+    except Exception:  # noqa: BLE001 - a figure we cannot read is a missing figure, not a failed run
+        q = None
+    if q is not None:
+        tags["nmtcore.bert_quality"] = f"{q.figure:.4f}"
+        tags["nmtcore.bert_quality_detail"] = q.describe()
+    return tags
 
 
 class TrackingCallback(Callback):
@@ -28,6 +52,7 @@ class TrackingCallback(Callback):
         tags.update({"nmtcore.model": self.cfg.model.name, "nmtcore.corpus": self.cfg.data.corpus,
                      "nmtcore.langs": f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
                      "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype)})
+        tags.update(bert_tags(trainer.model, self.cfg))
         self.tracker.set_tags(provenance_tags(tags))
 
     def on_log(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
