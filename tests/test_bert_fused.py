@@ -37,10 +37,13 @@ def test_drop_net_branch_frequencies_match_p_net(p):
     dn = DropNet(p, seed=7).train()
     n = 20000
     draws = [dn.weights() for _ in range(n)]
+    # Each draw is Eq. 3 applied to the U of the module's seeded generator, replayed here independently.
+    gen = torch.Generator().manual_seed(7)
+    us = [torch.rand((), generator=gen).item() for _ in range(n)]
+    assert draws == [(1.0, 0.0) if u < p / 2 else (0.0, 1.0) if u > 1 - p / 2 else (0.5, 0.5) for u in us]
     first = draws.count((1.0, 0.0)) / n
     second = draws.count((0.0, 1.0)) / n
     both = draws.count((0.5, 0.5)) / n
-    assert first + second + both == 1.0
     assert first == pytest.approx(p / 2, abs=0.012)
     assert second == pytest.approx(p / 2, abs=0.012)
     assert both == pytest.approx(1 - p, abs=0.012)

@@ -1,6 +1,8 @@
 """BERT-JAM identities (seed 000): joint attention is one softmax over concatenated keys (Eq. 5-7), the GLU
-at init is B_L/2 and B_L under phase 1's ×2 (Eq. 8, 11), and the ablations M1-M3 differ from M0 only
-where Table 7 says."""
+at init is B_L/2 and B_L under phase 1's ×2 (Eq. 8, 11) and stays Eq. 8 once phase 2 has trained it, the
+decoder's drop-net picks one joint attention per layer while training and averages them in eval (Eq. 10),
+the three phases train what Section 2.4 says with the frozen-feature cache serving phases 1-2, and the
+ablations M1-M3 differ from M0 only where Table 7 says."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from nmtcore.config import (
     ExperimentConfig,
     PhaseConfig,
 )
+from nmtcore.engine import Callback
+from nmtcore.engine.losses import label_smoothed_nll
+from nmtcore.engine.phases import apply_phase
 from nmtcore.models import build_model, model_class
 from nmtcore.models.bert_jam import JointAttention, LayerGLU
 from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB, with_inputs
@@ -85,6 +90,56 @@ def test_glu_at_init_is_half_the_last_layer_and_phase_one_doubles_it():
     torch.testing.assert_close(model.compose(layer, all_states), all_states[:, :, -1] / 2, rtol=0, atol=0)
 
 
+def by_hand_glu(glu: LayerGLU, states):
+    """Eq. 8 element by element: B = σ(Σ_i β_i B_i) ⊙ Σ_i α_i B_i over the layer axis of states (B, M, L, H)."""
+    alpha, beta = glu.alpha.tolist(), glu.beta.tolist()
+    mix = sum(a * states[:, :, i] for i, a in enumerate(alpha))
+    gate = 1.0 / (1.0 + torch.exp(-sum(b * states[:, :, i] for i, b in enumerate(beta))))
+    return gate * mix
+
+
+def one_step(model, batch, lr: float = 0.05) -> None:
+    """One Adam update on the label-smoothed loss over the parameters the current phase trains."""
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    label_smoothed_nll(model(batch).logits, batch.tgt_out, 0.1, PAD).loss.backward()
+    opt.step()
+    model.eval()
+
+
+def test_glu_is_eq_8_after_training_steps_and_trains_in_phase_2_only(small_batch):
+    """Phase 1 (warm-up) leaves every GLU at its Eq. 11 init (frozen) while the NMT weights move, and the ×2
+    makes the composed memory B_L; a phase-2 step moves α and β (the gradient reaches them through the
+    model) and the composed memory is still exactly Eq. 8 with the trained weights, no longer B_L / 2."""
+    model = jam()
+    batch = with_inputs(model, small_batch)
+    warmup, glu_phase, _ = model.default_phases()
+    glus = [layer.glu for layer in [*model.encoder_layers, *model.decoder_layers]]
+    init = [(g.alpha.detach().clone(), g.beta.detach().clone()) for g in glus]
+    nmt_before = model.src_embed.weight.detach().clone()
+
+    apply_phase(model, warmup)
+    one_step(model, batch)
+    assert not torch.equal(model.src_embed.weight, nmt_before)  # the NMT model trained
+    for g, (a0, b0) in zip(glus, init):
+        assert torch.equal(g.alpha, a0) and torch.equal(g.beta, b0)  # GLU frozen in phase 1
+    states = torch.stack(model.bert(batch).states[1:], dim=2)  # (B, M, L, H)
+    layer = model.encoder_layers[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model.compose(layer, states), states[:, :, -1], rtol=0, atol=0)  # 2 · B_L / 2
+
+    apply_phase(model, glu_phase)
+    for _ in range(3):
+        one_step(model, batch)
+    for g, (a0, b0) in zip(glus, init):
+        assert not torch.equal(g.alpha, a0) and g.beta.abs().sum() > 0  # trained: off the Eq. 11 init
+    with torch.no_grad():
+        for layer in [*model.encoder_layers, *model.decoder_layers]:
+            got = model.compose(layer, states)
+            torch.testing.assert_close(got, by_hand_glu(layer.glu, states), rtol=1e-5, atol=1e-6)  # Eq. 8, scale 1
+            assert not torch.allclose(got, states[:, :, -1] / 2)  # no longer the init's B_L / 2
+
+
 def test_glu_scale_travels_with_the_checkpoint():
     model = jam()
     model.set_phase(PhaseConfig("warmup", 1, ("nmt",), glu_scale=2.0))
@@ -140,34 +195,100 @@ def test_a_variant_name_means_exactly_its_fields():
         ExperimentConfig.from_dict({"model": {"name": "bert_jam"}})
 
 
-def test_decoder_average_is_eq_10(small_batch):
-    """With drop-net off the decoder combines its two joint attentions by their plain average."""
-    model = jam()
+def by_hand_decoder_layer(layer, x, enc, bert, bert_mask, w):
+    """Eq. 10 with branch weights w: w_1 Attn_joint(D, B) + w_2 Attn_joint(D, E^L), residual, FFN."""
+    h = layer.attn_res.before(x)
+    a = layer.bert_attn(h, None, bert, bert_mask, causal=True)
+    b = layer.enc_attn(h, None, enc.out, enc.mask, causal=True)
+    y = layer.attn_res.after(x, w[0] * a + w[1] * b)
+    return layer.ffn_res.after(y, layer.ffn(layer.ffn_res.before(y)))
+
+
+@pytest.mark.parametrize("p_net", [0.0, 1.0])
+def test_decoder_drop_net_in_train_mode_and_the_eq_10_average_in_eval(small_batch, p_net):
+    """In train mode (dropout 0, so drop-net is the only randomness) each decoder layer's output is Eq. 10
+    with the weights the drop-net drew: with p_net = 1 one branch only, (1, 0) or (0, 1), both occurring;
+    with p_net = 0 the average. In eval mode always the average (Eq. 10 as written)."""
+    model = jam(decoder_p_net=p_net)
     batch = with_inputs(model, small_batch)
-    enc = model.encode(batch)
-    layer = model.decoder_layers[0]
-    x = model.embed(batch.tgt_in, model.tgt_embed)
-    bert = model.compose(layer, enc.extras["bert_states"])
     with torch.no_grad():
-        h = layer.attn_res.before(x)
-        a = layer.bert_attn(h, None, bert, enc.extras["bert_mask"], causal=True)
-        b = layer.enc_attn(h, None, enc.out, enc.mask, causal=True)
-        y = layer.attn_res.after(x, (a + b) / 2)
-        want = layer.ffn_res.after(y, layer.ffn(layer.ffn_res.before(y)))
-        got = layer(x, enc.out, enc.mask, bert, enc.extras["bert_mask"], model.dec_drop_net.weights())
-    torch.testing.assert_close(got, want)
+        enc = model.encode(batch)
+        layer = model.decoder_layers[0]
+        x = model.embed(batch.tgt_in, model.tgt_embed)
+        bert = model.compose(layer, enc.extras["bert_states"])
+        bert_mask = enc.extras["bert_mask"]
+        average = by_hand_decoder_layer(layer, x, enc, bert, bert_mask, (0.5, 0.5))
+        first = by_hand_decoder_layer(layer, x, enc, bert, bert_mask, (1.0, 0.0))
+        second = by_hand_decoder_layer(layer, x, enc, bert, bert_mask, (0.0, 1.0))
+        assert not torch.allclose(first, second) and not torch.allclose(first, average)
+        model.train()
+        seen = []
+        for _ in range(12):
+            w = model.dec_drop_net.weights()
+            got = layer(x, enc.out, enc.mask, bert, bert_mask, w)
+            want = {(1.0, 0.0): first, (0.0, 1.0): second, (0.5, 0.5): average}[w]
+            torch.testing.assert_close(got, want)
+            seen.append(w)
+        assert set(seen) == ({(1.0, 0.0), (0.0, 1.0)} if p_net == 1.0 else {(0.5, 0.5)})
+        # Through the whole model: training forwards differ from one another under p_net = 1 (branches drawn
+        # per layer and forward), and equal the eval-mode (average) logits under p_net = 0.
+        train_logits = [model(batch).logits for _ in range(6)]
+        model.eval()
+        eval_logits = model(batch).logits
+        assert model.dec_drop_net.weights() == (0.5, 0.5)
+    if p_net == 1.0:
+        assert any(not torch.allclose(train_logits[0], t) for t in train_logits[1:])
+        assert all(not torch.allclose(t, eval_logits) for t in train_logits)
+    else:
+        for t in train_logits:
+            torch.testing.assert_close(t, eval_logits)
+
+
+class PhaseProbe(Callback):
+    """A callback recording per epoch: BERT runs (a cache hit means none), whether cached features served the
+    batches, and which parameter groups changed during the epoch."""
+
+    def __init__(self):
+        self.epochs, self.runs, self.snap = [], [], None
+
+    def groups(self, trainer):
+        return {k: [p.detach().clone() for p in v] for k, v in trainer.model.parameter_groups().items()}
+
+    def on_train_start(self, trainer):
+        bert = trainer.model.bert
+        run = bert.run
+        bert.run = lambda *a, **k: self.runs.append(torch.is_grad_enabled()) or run(*a, **k)
+        self.snap = self.groups(trainer)
+
+    def on_epoch_end(self, trainer, epoch, metrics, checkpoint):
+        now = self.groups(trainer)
+        changed = {k for k in now if any(not torch.equal(a, b) for a, b in zip(now[k], self.snap[k]))}
+        self.epochs.append({"phase": trainer.phases[trainer.phase_index].name, "bert_runs": len(self.runs),
+                            "cache": trainer.model.bert.features_usable, "changed": changed,
+                            "grad_runs": sum(self.runs)})
+        self.runs.clear()
+        self.snap = now
 
 
 def test_three_phases_end_to_end_from_python(tmp_path):
-    """``run_experiment`` on BERT-JAM: the model's own three-phase schedule runs (warmup → glu → finetune),
-    the cache serves phases 1-2, BERT trains in phase 3 only, and the test set is decoded and scored."""
+    """``run_experiment`` on BERT-JAM: the model's own three-phase schedule runs (warmup → glu → finetune).
+    Phases 1-2 are served by the frozen-feature cache (BERT never runs while training or validating), the
+    warm-up trains the NMT weights only, phase 2 adds the GLU, phase 3 runs (and trains) BERT; the test set
+    is decoded and scored."""
     from nmtcore.engine import run_experiment
     from nmtcore.testing.synthetic import tiny_experiment
 
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
                                        "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [1, 1, 1],
                                        "train.max_epochs": 10, "train.num_threads": 1})
-    summary = run_experiment(cfg)
+    probe = PhaseProbe()
+    summary = run_experiment(cfg, callbacks=[probe])
     assert summary.epochs == 3 and summary.stop_reason == "end_of_schedule"
+    assert summary.fit.phase_starts == {"warmup": 1, "glu": 2, "finetune": 3}
+    warm, glu, fine = probe.epochs
+    assert [e["phase"] for e in probe.epochs] == ["warmup", "glu", "finetune"]
+    assert warm["cache"] and glu["cache"] and warm["bert_runs"] == glu["bert_runs"] == 0  # cache hits only
+    assert warm["changed"] == {"nmt"} and glu["changed"] == {"nmt", "glu"}
+    assert not fine["cache"] and fine["grad_runs"] > 0 and fine["changed"] == {"nmt", "glu", "bert"}
     assert math.isfinite(summary.test["test"].bleu)
     assert summary.trainable_parameters == summary.parameters  # phase 3 fine-tunes BERT too

@@ -18,7 +18,9 @@ def test_presets_build_and_carry_the_papers_settings():
     small = preset("multi30k_small")
     assert (small.model.encoder_layers, small.model.d_model, small.model.ffn_dim, small.model.heads) == (3, 256, 1024, 4)
     assert small.data.vocab_size == 8000 and small.data.corpus == "multi30k"
-    assert set(PRESETS) == {"transformer_iwslt_de_en", "multi30k_small"}
+    assert set(PRESETS) == {"transformer_iwslt_de_en", "multi30k_small", "plm_sponsored_iwslt_paper",
+                            "plm_sponsored_ablation_paper"}
+    # The PLM-sponsored presets' paper settings: tests/test_plm_sponsored.py.
 
 
 @pytest.mark.parametrize("d, key", [
@@ -43,6 +45,8 @@ def test_unknown_nested_keys_raise_naming_the_key(d, key):
     ({"train.precision": "fp8"}, "train.precision"),
     ({"data.tgt_lang": "en"}, "data.tgt_lang"),
     ({"train.max_epochs": 2.5}, "train.max_epochs"),
+    ({"train.phase_scale": 0}, "train.phase_scale"),
+    ({"train.phases": [{"name": "a", "epochs": 8}, {"name": "b", "epochs": 4}]}, "train.max_epochs"),  # 12 > 10
     ({"train.lr_typo": 1}, "train.lr_typo"),
     ({"model.name": "no_such_model"}, "model.name"),
 ])

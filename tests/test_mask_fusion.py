@@ -1,6 +1,8 @@
 """Mask-fusion identities (seed 004): the GLU over BERT layers (Eq. 1-2), the mask knowledge matrix (Eq. 3-6:
-θ = 0 masks nothing, θ = 1 everything), the adaptive fusion (Eq. 7-9), the ablations M1-M3 (Table 4)
-differing from M0 only where documented, θ validation, and the warm start from a baseline."""
+θ = 0 masks nothing, θ = 1 everything, scores scaled by √d unless d is asked for, w1/b learning through a
+straight-through estimator or frozen), the mask selecting by content on real Multi30k batches, the masked
+fraction the trainer reports, the adaptive fusion (Eq. 7-9), the ablations M1-M3 (Table 4) differing from
+M0 only where documented, θ validation, and the warm start from a baseline."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from nmtcore.config import (
     ExperimentConfig,
     MaskFusionConfig,
 )
-from nmtcore.engine import warm_start
+from nmtcore.engine import build_trainer, warm_start
 from nmtcore.engine.losses import label_smoothed_nll
 from nmtcore.engine.phases import parameter_groups
 from nmtcore.models import build_model, model_class
@@ -64,8 +66,14 @@ def test_other_fields_are_validated_naming_the_key():
         build(embedding_fusion="none", adaptive_fusion=False)
     with pytest.raises(ConfigError, match=r"^model.fusion_attention_dropout: must be < 1"):
         build(fusion_attention_dropout=1.0)
-    with pytest.raises(ConfigError, match=r"^model.mask_divisor: must be >= 0"):
-        build(mask_divisor=-1.0)
+    with pytest.raises(ConfigError, match=r"^model.mask_scale: must be one of sqrt_d, d"):
+        build(mask_scale="512")
+    with pytest.raises(ConfigError, match=r"^model.mask_estimator: must be one of straight_through, frozen"):
+        build(mask_estimator="gumbel")
+    with pytest.raises(ConfigError, match=r"^model.mask_temperature: must be > 0"):
+        build(mask_temperature=0.0)
+    cfg = build().model
+    assert (cfg.mask_scale, cfg.mask_estimator) == ("sqrt_d", "straight_through")  # the defaults
     with pytest.raises(ConfigError, match=r"^model.bert_layers: model mask_fusion_m1 is defined by"):
         ExperimentConfig.from_dict({"model": {"name": "mask_fusion_m1", "bert_layers": "all", "bert": TINY_BERT}})
 
@@ -105,9 +113,13 @@ def test_model_fuses_layers_1_to_l_and_m1_reads_the_last_layer(small_batch):
 
 
 # ---------------------------------------------------------------------- Eq. 3-6
-def knowledge(threshold: float, use_mask: bool = True, seed: int = 0) -> MaskKnowledge:
+D = 8  # d_model of the hand-sized module
+
+
+def knowledge(threshold: float, use_mask: bool = True, seed: int = 0, estimator: str = "frozen") -> MaskKnowledge:
     torch.manual_seed(seed)
-    return MaskKnowledge(d_model=8, bert_dim=6, threshold=threshold, fill=-1e-9, divisor=8.0, use_mask=use_mask)
+    return MaskKnowledge(d_model=D, bert_dim=6, threshold=threshold, fill=-1e-9, scale=math.sqrt(D),
+                         use_mask=use_mask, estimator=estimator)
 
 
 def without_mask(mod: MaskKnowledge) -> MaskKnowledge:
@@ -126,14 +138,14 @@ def hand_tensors():
     return emb, cls, tok, src_mask
 
 
-def by_hand_attention(mod: MaskKnowledge, emb, cls, src_mask):
-    """Eq. 3 written out per sentence: a = softmax over its non-padding positions of E (B_CLS w1 + b)ᵀ / d."""
+def by_hand_attention(w1, b, emb, cls, src_mask, scale: float):
+    """Eq. 3 written out per sentence: a = softmax over its non-padding positions of E (B_CLS w1 + b)ᵀ / scale,
+    from the weights w1 (C, H), b (C) and a scale the caller states (√d or d), not the module's."""
     out = torch.zeros(src_mask.shape)
-    for b in range(emb.size(0)):
-        q = mod.mask_query.weight @ cls[b] + mod.mask_query.bias  # (C,)
-        n = int((~src_mask[b]).sum())
-        scores = torch.stack([emb[b, i] @ q / mod.divisor for i in range(n)])
-        out[b, :n] = torch.softmax(scores, dim=0)
+    for i in range(emb.size(0)):
+        q = w1 @ cls[i] + b  # (C,)
+        n = int((~src_mask[i]).sum())
+        out[i, :n] = torch.softmax(emb[i, :n] @ q / scale, dim=0)  # (n,): positions j < n, e_j · q / scale
     return out
 
 
@@ -161,8 +173,12 @@ def test_mask_matrix_thresholds_eq_3_softmax():
     emb, cls, tok, src_mask = hand_tensors()
     mod = knowledge(0.0)
     with torch.no_grad():
-        a = by_hand_attention(mod, emb, cls, src_mask)
+        w1, b = mod.mask_query.weight, mod.mask_query.bias
+        a = by_hand_attention(w1, b, emb, cls, src_mask, math.sqrt(D))
         assert a[src_mask].eq(0).all() and torch.allclose(a.sum(-1), torch.ones(2))
+        a_d = by_hand_attention(w1, b, emb, cls, src_mask, D)  # the other reading of Eq. 3: a different A
+        assert not torch.allclose(a, a_d, atol=1e-3)
+        torch.testing.assert_close(mod.attention(emb, cls, src_mask), a)
         theta = a[~src_mask].median().item()  # masks some positions, not all
         mod.threshold = theta
         new, m = mod(emb, cls, tok, src_mask)
@@ -170,6 +186,25 @@ def test_mask_matrix_thresholds_eq_3_softmax():
         gate_only, _ = without_mask(mod)(emb, cls, tok, src_mask)
     torch.testing.assert_close(new[~m], gate_only[~m], rtol=0, atol=0)  # unmasked rows: E + G
     torch.testing.assert_close(new[m], gate_only[m] - emb[m] - 1e-9)  # masked rows: Ẽ + G, Ẽ = fill
+
+
+@pytest.mark.parametrize("scale", ["sqrt_d", "d"])
+def test_the_model_scales_eq_3_by_sqrt_d_unless_told_d(small_batch, scale):
+    """The model built from its config divides Eq. 3's scores by √d_model (default) or d_model, checked
+    against Eq. 3 by hand with the scale written here (d_model = 32)."""
+    fields = {} if scale == "sqrt_d" else {"mask_scale": "d"}
+    model = mf(**fields)
+    batch = with_inputs(model, small_batch)
+    want_scale = math.sqrt(TINY["d_model"]) if scale == "sqrt_d" else float(TINY["d_model"])
+    with torch.no_grad():
+        bert = model.bert_memory(model.bert(batch))
+        e = model.src_embed(batch.src) * model.embed_scale + model.positions(batch.src.size(1))  # E
+        q = model.knowledge.mask_query
+        a = by_hand_attention(q.weight, q.bias, e, bert[:, 0], batch.src_mask, want_scale)
+        torch.testing.assert_close(model.knowledge.attention(e, bert[:, 0], batch.src_mask), a)
+        theta = a[~batch.src_mask].median().item()
+        model.knowledge.threshold = theta
+        assert torch.equal(model(batch).knowledge_mask, (a < theta) & ~batch.src_mask)
 
 
 def test_model_masks_per_theta_and_pools_bert_through_the_alignment(small_batch):
@@ -188,13 +223,43 @@ def test_model_masks_per_theta_and_pools_bert_through_the_alignment(small_batch)
     assert torch.equal(m, m_want)
 
 
-def test_mask_query_is_fixed_and_in_its_own_group(small_batch):
-    model = mf().train()
+def test_straight_through_forwards_the_hard_mask_and_backwards_the_soft_one():
+    """Forward: exactly the frozen variant's output (the hard M of Eq. 4). Backward: w1, b get the gradient
+    of the soft mask σ((θ − a_i)/τ) put in M's place, computed here by hand from Eq. 3."""
+    emb, cls, tok, src_mask = hand_tensors()
+    frozen, ste = knowledge(0.0, estimator="frozen"), knowledge(0.0, estimator="straight_through")
+    with torch.no_grad():
+        a = by_hand_attention(ste.mask_query.weight, ste.mask_query.bias, emb, cls, src_mask, math.sqrt(D))
+    theta = a[~src_mask].median().item()
+    frozen.threshold = ste.threshold = theta
+    r = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3))  # a probe loss: Σ r ⊙ (Ẽ + G)
+    new_f, m_f = frozen(emb, cls, tok, src_mask)
+    new_s, m_s = ste(emb, cls, tok, src_mask)
+    assert torch.equal(m_f, m_s) and 0 < int(m_s.sum()) < int((~src_mask).sum())
+    torch.testing.assert_close(new_s, new_f, rtol=0, atol=0)  # the forward is the hard mask exactly
+    (new_s * r).sum().backward()
+    assert all(not p.requires_grad for p in frozen.mask_query.parameters())
+    w1 = ste.mask_query.weight.detach().clone().requires_grad_()
+    b = ste.mask_query.bias.detach().clone().requires_grad_()
+    soft = torch.sigmoid((theta - by_hand_attention(w1, b, emb, cls, src_mask, math.sqrt(D))) / 0.01)
+    # d/dw of Σ_i r_i · (E_i (1 − s_i) + fill s_i): the rows' sensitivity to being masked, times ds_i/dw.
+    (((r * (-1e-9 - emb)).sum(-1) * soft * ~src_mask).sum()).backward()
+    assert ste.mask_query.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(ste.mask_query.weight.grad, w1.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(ste.mask_query.bias.grad, b.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["straight_through", "frozen"])
+def test_mask_query_learns_or_stays_fixed_in_its_own_group(small_batch, estimator):
+    model = mf(mask_estimator=estimator, mask_threshold=0.2).train()  # θ near the tiny sources' a_i ≈ 1/length
     batch = with_inputs(model, small_batch)
     lo = label_smoothed_nll(model(batch).logits, batch.tgt_out, 0.1, PAD)
     lo.loss.backward()
     query = list(model.knowledge.mask_query.parameters())
-    assert all(not p.requires_grad and p.grad is None for p in query)  # Eq. 4's step passes no gradient
+    if estimator == "frozen":
+        assert all(not p.requires_grad and p.grad is None for p in query)  # fixed at the seeded init
+    else:
+        assert all(p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0 for p in query)
     for mod in (model.layer_fusion, model.knowledge.bert_proj, model.knowledge.gate, model.adaptive):
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mod.parameters()), mod
     groups = parameter_groups(model)
@@ -202,6 +267,100 @@ def test_mask_query_is_fixed_and_in_its_own_group(small_batch):
     assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
 
 
+def test_the_trainer_reports_the_validation_masked_fraction(tmp_path):
+    """``valid_masked_fraction`` = masked / real source tokens over the validation set, from the model's
+    ``knowledge_mask``; a model without one reports none."""
+    from nmtcore.testing.synthetic import tiny_experiment
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "mask_fusion", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "model.mask_threshold": 0.15,
+                                       "train.num_threads": 1})
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    split = trainer.data.splits["valid"]
+    masked = real = 0
+    trainer.model.eval()
+    with torch.no_grad():
+        for batch in trainer.eval_batches(split):
+            m = trainer.model(batch).knowledge_mask
+            masked, real = masked + int(m.sum()), real + int((~batch.src_mask).sum())
+    metrics = trainer.validate()
+    assert 0 < masked < real and metrics["valid_masked_fraction"] == pytest.approx(masked / real)
+    plain = build_trainer(tiny_experiment(tmp_path / "t", **{"train.num_threads": 1}), device=torch.device("cpu"))
+    torch.set_num_threads(2)
+    assert "valid_masked_fraction" not in plain.validate()
+
+
+# ---------------------------------------------------------------------- the mask on real Multi30k batches
+@pytest.fixture(scope="module")
+def multi30k_mask_fusion(tmp_path_factory, shared_data):
+    """The θ study's model (Multi30k En→De, multi30k_small sizes, the packaged MiniLM, config defaults) at its
+    seeded init, and 384 validation sentences as three real batches with their BERT stream."""
+    import numpy as np
+
+    from nmtcore.bert import prepare_bert_inputs
+    from nmtcore.config import preset
+    from nmtcore.data import collate, prepare_data
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = preset("multi30k_small").with_overrides({
+        "data.data_dir": str(shared_data), "data.download": False, "data.test_splits": ["val"],
+        "data.cache_dir": str(tmp_path_factory.mktemp("m30k_mask")), "model.name": "mask_fusion",
+        "model.bert.name": "minilm"})
+    data = prepare_data(cfg.data)
+    torch.manual_seed(1)
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id).eval()
+    prepare_bert_inputs(model, data, use_cache=False)  # BERT runs on these batches only
+    split = data.splits["val"]
+    batches = [collate(split, np.arange(i, i + 128), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+               for i in range(0, 384, 128)]
+    yield model, batches
+    torch.set_num_threads(threads)
+
+
+def test_on_real_multi30k_the_mask_selects_by_content_not_length(multi30k_mask_fusion):
+    """Table 5's θ grid on real sentences: the model's mask is Eq. 3-4 with √d (by hand); the masked fraction
+    changes across θ ∈ {0.01 … 0.05}; equal-length sentences get different masked counts and many sentences
+    are partly masked, so length alone does not decide the mask. Eq. 3 read with d instead (by hand, same
+    weights) masks by length: whole sentences or nothing."""
+    from collections import defaultdict
+
+    model, batches = multi30k_mask_fusion
+    d = model.cfg.d_model
+    rows: dict[str, list[torch.Tensor]] = {"sqrt_d": [], "d": []}
+    with torch.no_grad():
+        for batch in batches:
+            bert = model.bert_memory(model.bert(batch))
+            e = model.src_embed(batch.src) * model.embed_scale + model.positions(batch.src.size(1))  # E
+            q = model.knowledge.mask_query
+            for name, scale in (("sqrt_d", math.sqrt(d)), ("d", float(d))):
+                a = by_hand_attention(q.weight, q.bias, e, bert[:, 0], batch.src_mask, scale)
+                if name == "sqrt_d":  # the model (config defaults, θ = 0.03) masks exactly as Eq. 3-4 with √d
+                    want = (a < model.cfg.mask_threshold) & ~batch.src_mask
+                    got = model.embed_source(batch, bert)[1]  # the mask the model's forward applies
+                    near = (a - model.cfg.mask_threshold).abs() < 1e-6  # float ties may go either way
+                    assert torch.equal(got & ~near, want & ~near)
+                rows[name] += [a[i, : int(n)] for i, n in enumerate((~batch.src_mask).sum(-1))]
+
+    def stats(name: str, theta: float) -> tuple[float, float, float]:
+        counts = [int((r < theta).sum()) for r in rows[name]]
+        lengths = [len(r) for r in rows[name]]
+        by_length: dict[int, set[int]] = defaultdict(set)
+        for c, n in zip(counts, lengths):
+            by_length[n].add(c)
+        common = [n for n in by_length if lengths.count(n) >= 5]  # lengths shared by >= 5 sentences
+        varying = sum(len(by_length[n]) > 1 for n in common) / len(common)
+        partial = sum(0 < c < n for c, n in zip(counts, lengths)) / len(counts)
+        return sum(counts) / sum(lengths), varying, partial
+
+    thetas = (0.01, 0.02, 0.03, 0.04, 0.05)
+    fractions = [stats("sqrt_d", t)[0] for t in thetas]
+    assert len(set(fractions)) >= 4 and fractions[-1] > 0.1, fractions  # θ changes what is masked
+    for theta in (0.04, 0.05):
+        _, varying, partial = stats("sqrt_d", theta)
+        assert varying >= 0.3 and partial >= 0.1, (theta, varying, partial)  # content, not length
+        _, varying_d, partial_d = stats("d", theta)
+        assert varying_d <= 0.1 and partial_d <= 0.05, (theta, varying_d, partial_d)  # by length
 # ---------------------------------------------------------------------- Eq. 7-9
 def test_adaptive_fusion_is_eq_7_to_9():
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """PLM-sponsored NMT (seed 001): the paper's identities on tiny models.
 
-Coordinator mask (Eq. 3), half-layer KD (Eq. 4-5) and the loss combination of Eq. 9, the causal target
-BERT against ``transformers``' BertModel, MLM corruption, and FWET (Algorithm 1) by hand. Cached vs
+Coordinator mask (Eq. 3), the half-layer gate (Eq. 6) by hand, half-layer KD (Eq. 4-5: its gradient reaches
+the student's lower half and never the teacher) and the loss combination of Eq. 9, the PLMs' dropout, the
+causal target BERT against ``transformers``' BertModel, MLM corruption, and FWET (Algorithm 1) by hand. Cached vs
 uncached decoding and the rest of the model interface are the contract suite's
 (``tests/test_model_contract.py -k plm``).
 """
@@ -24,7 +25,7 @@ from nmtcore.models.fwet import (
     fwet_softmax,
     wordpiece_spelling,
 )
-from nmtcore.models.plm_sponsored import CoordinatorAttention
+from nmtcore.models.plm_sponsored import CoordinatorAttention, HalfLayerGate
 from nmtcore.testing.tiny_bert import BERT_HIDDEN, add_bert_stream, tiny_bert_dir
 from nmtcore.testing.zoo import BOS, EOS, PAD, make_batch
 
@@ -63,7 +64,38 @@ def test_defaults_are_the_papers():
     assert (cfg.kd_layer, cfg.mlm_loss, cfg.tgt_lm_loss, cfg.tgt_lm_fraction, cfg.encoder_gate) == (
         "half", True, True, 0.1, True)
     assert cfg.bert.name == "minilm" and not cfg.bert.freeze
-    assert cfg.tgt_bert.name.startswith("pretrained-here:") and not cfg.tgt_bert.freeze
+    assert cfg.tgt_bert.name == "e5:L6" and not cfg.tgt_bert.freeze  # German-capable, pretrained
+    assert cfg.plm_dropout < 0  # each BERT's own rate unless a preset (the paper's) sets one
+    with pytest.raises(ConfigError, match=r"^model.plm_dropout: must be in \[0, 1\)"):
+        ExperimentConfig.from_dict({"model": {**TINY, "plm_dropout": 1.0}})
+
+
+def test_the_papers_presets_carry_its_coordinator_depth_dropout_and_alpha():
+    """Section 3.2-3.3 and 4 of the paper: coordinator = Transformer-base, 12 layers (6 in the En-De ablation),
+    PLM dropout 0.5 on IWSLT'14 (0.3 on WMT'14), α = 0.9 (Eq. 5)."""
+    from nmtcore.config import preset
+
+    iwslt, ablation = preset("plm_sponsored_iwslt_paper"), preset("plm_sponsored_ablation_paper")
+    for cfg, layers, dropout in ((iwslt, 12, 0.5), (ablation, 6, 0.3)):
+        m = cfg.model
+        assert m.name == "plm_sponsored" and m.decoder_layers == layers and m.plm_dropout == dropout
+        assert (m.d_model, m.ffn_dim, m.heads) == (512, 2048, 8)  # Transformer-base
+        assert cfg.train.kd_alpha == 0.9 and not m.bert.freeze and not m.tgt_bert.freeze
+    assert (iwslt.data.src_lang, iwslt.data.tgt_lang, iwslt.train.max_updates) == ("de", "en", 100000)
+    assert (ablation.data.src_lang, ablation.data.tgt_lang, ablation.train.max_updates) == ("en", "de", 400000)
+
+
+def test_plm_dropout_is_the_hidden_dropout_of_both_plms():
+    model = tiny(plm_dropout=0.5)
+    drops = {n: m.p for n, m in model.bert.bert.named_modules() if isinstance(m, torch.nn.Dropout)}
+    hidden = {n: p for n, p in drops.items() if not n.endswith("attention.self.dropout")}
+    assert hidden and set(hidden.values()) == {0.5}  # embeddings, attention output, FFN output
+    assert {p for n, p in drops.items() if n.endswith("attention.self.dropout")} == {0.1}  # the BERT's own
+    dec = model.decoder
+    assert dec.dropout == 0.5 and all(layer.self_res.dropout == layer.ffn_res.dropout == 0.5 for layer in dec.layers)
+    own = tiny()
+    assert own.decoder.dropout == 0.1 and {m.p for m in own.bert.bert.modules()
+                                           if isinstance(m, torch.nn.Dropout)} == {0.1}
 
 
 # ---------------------------------------------------------------------- coordinator mask (Eq. 3)
@@ -142,14 +174,85 @@ def test_kd_is_zero_when_the_student_is_the_teacher():
 
 
 def test_kd_gradients_reach_the_student_only():
-    model = _train_mode_without_bert_dropout(tiny(mlm_loss=False, tgt_lm_loss=False))
-    batch = batch_of([[5, 6, 7]], [[12, 13]])
+    """With α = 0 the loss is L_KD alone (Eq. 5): every student layer up to M/2 gets a non-zero gradient,
+    the layers above M/2 and the coordinator exactly zero (h_{M/2} does not depend on them), the teacher
+    none at all (frozen, its target detached). With α = 0.9 the student's gradient is exactly
+    0.9·∇L_NMT + 0.1·∇L_KD, and an update moves the student while the teacher stays the initial copy."""
+    model = _train_mode_without_bert_dropout(tiny(mlm_loss=False, tgt_lm_loss=False, dropout=0.0))
+    batch = batch_of([[5, 6, 7], [8, 9]], [[12, 13], [14, 15, 16]])
     out = model(batch)
+    assert out.kd.teacher.grad_fn is None and not out.kd.teacher.requires_grad  # r_plm: a fixed target
     lo = training_loss(out, batch.tgt_out, TrainConfig(kd_alpha=0.0), PAD)
     lo.loss.backward()
-    half = model.half_layer  # encoder layers above M/2 get no KD gradient; those up to it do
-    assert model.bert.bert.encoder.layer[half - 1].attention.self.query.weight.grad.abs().sum() > 0
-    assert all(p.grad is None for p in model.teacher.parameters())
+    layers = model.bert.bert.encoder.layer
+    half = model.half_layer
+    assert 1 <= half < len(layers)
+    for i, layer in enumerate(layers):
+        grads = [p.grad for p in layer.parameters()]
+        if i < half:
+            assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0, i
+        else:
+            assert all(g is None or torch.count_nonzero(g) == 0 for g in grads), i
+    assert model.bert.bert.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.coordinator.parameters())
+    assert all(p.grad is None and not p.requires_grad for p in model.teacher.parameters())
+
+    # Eq. 5 with α = 0.9: the gradient is the weighted sum of the two terms' gradients (one forward).
+    model.zero_grad(set_to_none=True)
+    out = model(batch)
+    params = [p for p in model.bert.bert.parameters()]
+    nmt = label_smoothed_nll(out.logits, batch.tgt_out, 0.1, PAD)
+    kd = kd_mse(out.kd.student, out.kd.teacher, out.kd.mask) * nmt.n_tokens  # summed like the NMT loss
+    g_nmt = torch.autograd.grad(nmt.loss, params, retain_graph=True, allow_unused=True)
+    g_kd = torch.autograd.grad(kd, params, retain_graph=True, allow_unused=True)
+    g = torch.autograd.grad(training_loss(out, batch.tgt_out, TrainConfig(kd_alpha=0.9), PAD).loss, params,
+                            allow_unused=True)
+    zero = torch.zeros(())
+    for a, b_, c in zip(g, g_nmt, g_kd):
+        want = 0.9 * (b_ if b_ is not None else zero) + 0.1 * (c if c is not None else zero)
+        torch.testing.assert_close(a if a is not None else zero.expand_as(want), want, rtol=1e-4, atol=1e-7)
+    teacher0 = {k: v.clone() for k, v in model.teacher.state_dict().items()}
+    student0 = layers[0].attention.self.query.weight.detach().clone()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    training_loss(model(batch), batch.tgt_out, TrainConfig(kd_alpha=0.9), PAD).loss.backward()
+    opt.step()
+    assert not torch.equal(layers[0].attention.self.query.weight, student0)
+    assert all(torch.equal(v, teacher0[k]) for k, v in model.teacher.state_dict().items())
+
+
+def test_eq6_half_layer_gate_by_hand():
+    """Eq. 6 element by element: g = σ([h_M ; h_{M/2}] W), h_S = g·h_M + (1 − g)·h_{M/2},
+    r_S = LN(FFN(h_S) + h_S); and the model's encoder output is r_S of BERT's layers M and M/2."""
+    torch.manual_seed(0)
+    gate = HalfLayerGate(6, 10, "gelu", 0.0, 0.0).eval()
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.normal_()  # off the init (LayerNorm γ, β included)
+    top, half = torch.randn(2, 3, 6), torch.randn(2, 3, 6)
+    W = gate.gate.weight.detach().T  # (2H, H)
+    fc1, fc2, ln = gate.ffn.fc1, gate.ffn.fc2, gate.ffn_res.norm
+    want = torch.zeros(2, 3, 6)
+    for b in range(2):
+        for t in range(3):
+            x = torch.cat([top[b, t], half[b, t]])  # [h_M ; h_{M/2}]  (2H,)
+            g = 1.0 / (1.0 + torch.exp(-(x @ W)))
+            h = g * top[b, t] + (1 - g) * half[b, t]
+            u = h @ fc1.weight.T + fc1.bias
+            ffn = (0.5 * u * (1 + torch.erf(u / math.sqrt(2)))) @ fc2.weight.T + fc2.bias  # GELU
+            z = ffn + h
+            z = (z - z.mean()) / torch.sqrt(z.var(unbiased=False) + ln.eps)
+            want[b, t] = z * ln.weight + ln.bias
+    with torch.no_grad():
+        torch.testing.assert_close(gate(top, half), want, rtol=1e-5, atol=1e-5)
+    model = tiny().eval()
+    batch = batch_of([[5, 6, 7], [8, 9]], [[12, 13], [14]])
+    x = batch.extras
+    with torch.no_grad():
+        hs = model.bert.bert(input_ids=x["bert_ids"], attention_mask=(~x["bert_mask"]).long(),
+                             token_type_ids=x["bert_segments"], output_hidden_states=True).hidden_states
+        m = len(hs) - 1
+        want = model.src_proj(model.encoder_gate(hs[m], hs[m // 2]))  # h_M and h_{M/2} of the source BERT
+        torch.testing.assert_close(model.encode(batch).out, want)
 
 
 def test_alpha_one_without_aux_losses_is_plain_nmt_loss():

@@ -1,27 +1,44 @@
 """Phases are data (BERT-JAM Section 2.4): a schedule of :class:`~nmtcore.config.PhaseConfig`
 (``train.phases``, else the model's :meth:`~nmtcore.models.NMTModel.default_phases`) that the trainer reads at
-epoch boundaries — which named parameter groups train, the GLU scale told to the model, early stopping."""
+epoch boundaries — which named parameter groups train, the GLU scale told to the model, early stopping.
+
+A schedule is honoured or refused, never cut: ``train.max_epochs`` (and ``train.max_updates``) must cover
+every phase, else a one-line :class:`~nmtcore.config.ConfigError` before training; ``train.phase_scale``
+scales every phase explicitly (each >= 1 epoch), and the trainer logs the schedule it runs.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from torch import nn
 
 from nmtcore.config import ConfigError, ExperimentConfig, PhaseConfig
+from nmtcore.config.sections import describe_phases
 from nmtcore.models import NMTModel
 
 
 def schedule_of(cfg: ExperimentConfig, model: NMTModel) -> tuple[PhaseConfig, ...]:
-    """The phase schedule: ``train.phases``, else the model's ``default_phases()``, else () (one implicit
-    phase that leaves ``requires_grad`` as the model set it)."""
+    """The phase schedule the run follows: ``train.phases``, else the model's ``default_phases()``, else ()
+    (one implicit phase that leaves ``requires_grad`` as the model set it), scaled by ``train.phase_scale``.
+    Raises a one-line :class:`~nmtcore.config.ConfigError` when ``train.max_epochs`` cannot run all of it."""
     if cfg.train.phases:
-        return cfg.train.phases
+        return cfg.train.schedule(cfg.train.phases, "train.phases")
     phases = tuple(model.default_phases())
-    if phases:  # the model's schedule goes through the same validation as a configured one
-        dataclasses.replace(cfg.train, phases=phases)
-    return phases
+    return cfg.train.schedule(phases, f"model {cfg.model.name}'s default schedule")
+
+
+def check_update_budget(phases: tuple[PhaseConfig, ...], max_updates: int, updates_per_epoch: int) -> None:
+    """``train.max_updates`` must not cut a closed schedule either: one-line :class:`ConfigError` naming the
+    updates the schedule needs (``updates_per_epoch`` × its epochs) and the budget."""
+    length = schedule_length(phases)
+    if not max_updates or not phases or math.isinf(length):
+        return
+    need = int(length) * updates_per_epoch
+    if max_updates < need:
+        raise ConfigError(f"train.max_updates: {max_updates} updates cannot run the {int(length)}-epoch phase schedule "
+                          f"({describe_phases(phases)}, {updates_per_epoch} updates per epoch = {need} updates); set "
+                          f"train.max_updates=0 or >= {need}, or shorten the schedule with train.phase_scale")
 
 
 def phase_start(phases: tuple[PhaseConfig, ...], index: int) -> int:

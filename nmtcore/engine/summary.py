@@ -9,8 +9,10 @@ from typing import Any
 
 @dataclass
 class FitResult:
-    """How :meth:`Trainer.fit` ended: epochs and updates done, why it stopped, the phase it ended in
-    (None without a schedule), the best epoch by validation loss."""
+    """How :meth:`Trainer.fit` ended: epochs and updates done, why it stopped (with a schedule: why its last
+    phase stopped, ``end_of_schedule``, ``early_stopping(patience=N)``, ``max_epochs`` or ``max_updates``),
+    the phase it ended in (None without a schedule), the best epoch by validation loss; the schedule run
+    (phase → epochs, after ``train.phase_scale``), that scale, and the epoch each phase began."""
 
     epochs: int
     num_updates: int
@@ -19,6 +21,9 @@ class FitResult:
     best_epoch: int
     best_valid_loss: float
     fit_wall_s: float
+    schedule: dict[str, int] = field(default_factory=dict)
+    phase_scale: float = 1.0
+    phase_starts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from nmtcore.checkpoint import (
     save_checkpoint,
 )
 from nmtcore.config import DecodeConfig, ExperimentConfig, PhaseConfig
+from nmtcore.config.sections import describe_phases
 from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate
 from nmtcore.decoding import translate_split
 from nmtcore.devices import autocast, autocast_dtype, default_device
@@ -49,6 +50,7 @@ from nmtcore.engine.losses import check_kd, label_smoothed_nll, training_loss
 from nmtcore.engine.optim import InverseSqrtSchedule, build_optimizer
 from nmtcore.engine.phases import (
     apply_phase,
+    check_update_budget,
     phase_index,
     phase_start,
     schedule_length,
@@ -104,6 +106,8 @@ class Trainer:
         self.data = data
         self.device = device or default_device()
         self.model = model.to(self.device)
+        # The phase schedule first: one that the budget cannot run is refused before any BERT work.
+        self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
         # BERT hook (nmtcore.bert): a model owning a BertLayer gets its BERT stream (and, frozen, the cached
         # features) on every split; KD without a teacher (or a teacher without KD) fails here.
         prepare_bert_inputs(self.model, data)
@@ -117,9 +121,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.schedule = InverseSqrtSchedule(cfg.train)
         self.state = TrainState()
-        self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
         self.phase_index = -1  # -1: the single implicit phase (no schedule)
         if self.phases:
+            if cfg.train.max_updates:
+                check_update_budget(self.phases, cfg.train.max_updates, self.updates_per_epoch())
+            self.log_schedule()
             self.enter_phase(0)
         self.save_dir = Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints").resolve()
         self.train_tokens_per_s = 0.0
@@ -130,6 +136,25 @@ class Trainer:
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     # ------------------------------------------------------------------ phases
+    def log_schedule(self) -> None:
+        """Log the schedule this run follows (scaled by ``train.phase_scale`` when it is not 1)."""
+        tc = self.cfg.train
+        unscaled = tc.phases or tuple(self.model.default_phases())
+        scaled = (f"scaled x{tc.phase_scale:g} (train.phase_scale) from {describe_phases(unscaled)} to "
+                  if tc.phase_scale != 1.0 else "")
+        log.info("phase schedule %s%s epochs (train.max_epochs=%d); checkpoint averaging: %s", scaled,
+                 describe_phases(self.phases), tc.max_epochs,
+                 f"last {tc.average_last} epochs of the last phase" if tc.average_last > 1 else "off")
+
+    def updates_per_epoch(self) -> int:
+        """Optimizer updates in one epoch of this rank (its batches / ``train.update_freq``, rounded up)."""
+        split = self.data.splits[self.cfg.data.train_split]
+        dc = self.cfg.data
+        n = sum(1 for _ in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
+                                         seed=self.cfg.train.seed, epoch=1, rank=self.rank, world_size=self.world_size,
+                                         bert_lens=split.bert_lens))
+        return math.ceil(n / self.cfg.train.update_freq)
+
     def enter_phase(self, index: int) -> None:
         """Switch to phase ``index``: set requires_grad per parameter group, tell the model
         (``set_phase``), and rebuild the optimizer — its state is reset at a phase change, as the original
@@ -255,11 +280,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Teacher-forced validation loss (base 2, label-smoothed and plain NLL) and greedy BLEU."""
+        """Teacher-forced validation loss (base 2, label-smoothed and plain NLL) and greedy BLEU; for a model
+        that returns ``ModelOutput.knowledge_mask``, ``valid_masked_fraction``: masked / real source tokens."""
         self.model.eval()
         split = self.data.splits[self.cfg.data.valid_split]
         loss_sum = nll_sum = 0.0
         n_tokens = 0
+        masked = real = 0
+        has_mask = False
         t0 = time.perf_counter()
         for batch in self.eval_batches(split):
             with autocast(self.amp_dtype, self.device):
@@ -268,8 +296,14 @@ class Trainer:
             loss_sum += lo.loss.item()
             nll_sum += lo.nll.item()
             n_tokens += lo.n_tokens
+            if out.knowledge_mask is not None:  # (B, S) True = masked; padding is never marked
+                has_mask = True
+                masked += int(out.knowledge_mask.sum().item())
+                real += int((~batch.src_mask).sum().item())
         nll = nll_sum / max(n_tokens, 1) / math.log(2)
         metrics = {"valid_loss": loss_sum / max(n_tokens, 1) / math.log(2), "valid_nll": nll, "valid_ppl": 2**nll}
+        if has_mask:
+            metrics["valid_masked_fraction"] = masked / max(real, 1)
         if self.cfg.train.valid_bleu:
             greedy = DecodeConfig(**{**self.cfg.decode.__dict__, "beam": 1, "nbest": 1})
             hyps = self.translate(split, greedy)
@@ -368,13 +402,26 @@ class Trainer:
                 stop_reason = f"early_stopping(patience={tc.patience})"
                 break
         else:
-            stop_reason = "max_epochs" if last_epoch == tc.max_epochs else "end_of_schedule"
+            stop_reason = "end_of_schedule" if last_epoch == schedule_length(self.phases) else "max_epochs"
         if tc.max_updates and self.state.num_updates >= tc.max_updates:
             stop_reason = "max_updates"
+        if self.phases:
+            log.info("phases began at epochs %s; the last phase (%s) stopped: %s", self.phase_starts(),
+                     self.phases[self.phase_index].name, stop_reason)
         return FitResult(epochs=self.state.epoch, num_updates=self.state.num_updates, stop_reason=stop_reason,
                          phase=self.phases[self.phase_index].name if self.phases else None,
                          best_epoch=self.state.best_epoch, best_valid_loss=self.state.best_valid_loss,
-                         fit_wall_s=time.perf_counter() - t0)
+                         fit_wall_s=time.perf_counter() - t0, schedule={p.name: p.epochs for p in self.phases},
+                         phase_scale=tc.phase_scale, phase_starts=self.phase_starts())
+
+    def phase_starts(self) -> dict[str, int]:
+        """The epoch each phase of the schedule began in this run (from the epoch history, which a resume
+        restores): ``{"warmup": 1, "glu": 9, "finetune": 11}``; phases not reached are absent."""
+        starts: dict[str, int] = {}
+        for h in self.state.history:
+            if "phase" in h:
+                starts.setdefault(self.phases[int(h["phase"]) - 1].name, int(h["epoch"]))
+        return starts
 
     def finalize_model(self) -> str:
         """Load the weights used for testing: the average of the last ``average_last`` epoch checkpoints
@@ -390,7 +437,12 @@ class Trainer:
                 payload = self.checkpoint_payload()
                 payload.pop("optimizer")
                 save_checkpoint(self.save_dir / "averaged.pt", payload)
+            log.info("checkpoint averaging (train.average_last=%d): the tested model is the average of %s",
+                     self.cfg.train.average_last, ", ".join(p.name for p in chosen))
             return f"average of {', '.join(p.name for p in chosen)}"
+        if self.cfg.train.average_last > 1:
+            log.warning("checkpoint averaging (train.average_last=%d) skipped: only %d epoch checkpoint(s)%s",
+                        self.cfg.train.average_last, len(ckpts), " in the last phase" if self.phases else "")
         best = self.save_dir / f"epoch{self.state.best_epoch}.pt"
         if best.is_file() and self.state.best_epoch != self.state.epoch:
             load_model_weights(self.model, load_checkpoint(best)["model"], str(best))

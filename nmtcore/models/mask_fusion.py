@@ -9,9 +9,11 @@ baseline's parameter names, so a trained baseline warm-starts this model: Sectio
    ``W ∈ R^{n×2}`` mixes the layer axis into two channels, the GLU gates the first by σ of the second.
    B_1..B_n are BERT's layers 1..L (the embeddings, hidden state 0, are not a layer).
 2. **Mask knowledge matrix** at the embedding layer (Eq. 3-6, :class:`MaskKnowledge`):
-   ``A = softmax(E (B_CLS w1 + b)ᵀ / d)`` over the source positions, ``m_i = 1 if a_i < θ``
+   ``A = softmax(E (B_CLS w1 + b)ᵀ / √d)`` over the source positions, ``m_i = 1 if a_i < θ``
    (``model.mask_threshold``, the paper's 0.03), masked rows of E filled with ``model.mask_fill``
    (−1e-9) to give Ẽ, gate ``G = λ B + (1 − λ) E``, ``λ = ReLU([B w3 ; E] w2)``, new embedding ``Ẽ + G``.
+   The trainer reports the fraction of validation source tokens masked (``valid_masked_fraction``) from
+   ``ModelOutput.knowledge_mask``.
 3. **Adaptive fusion** after the encoder (Eq. 7-9, :class:`AdaptiveFusion`): single-head attention from the
    encoder output E_N to B, ``η = σ(U E_N + V E_attn)``, ``E_out = (1 − η) E_N + η E_attn`` is what the
    (unchanged) decoder attends to. Decoding therefore needs no BERT state: the decoder is the baseline's.
@@ -26,19 +28,27 @@ Where the paper is ambiguous, the choices made here (config fields where they pl
   masked), where no pooling is needed.
 - **E** is the baseline's source embedding (token embedding × √d plus positions) *before* dropout; the
   embedding dropout is applied once, to the new embedding ``Ẽ + G``. Eq. 3's softmax excludes padding.
-- **d in Eq. 3** is the paper's 512 = its d_model: ``model.mask_divisor`` (0 = d_model). Note the paper
-  divides by d, not √d, so A is close to uniform (≈ 1/length) unless E and B_CLS w1 align strongly.
-- **w1, b get no gradient**: Eq. 4 is a step function, so nothing differentiable reaches A. The paper
-  gives no estimator; we keep w1, b fixed at their (seeded) initial values: built with
-  ``requires_grad=False`` in their own parameter group ``mask_query`` (so a multi-GPU DDP run does not
-  fail on parameters that never receive a gradient). Checkpoints carry them.
+- **√d in Eq. 3** (``model.mask_scale="sqrt_d"``, the default; ``"d"`` available), d = ``model.d_model``
+  (the paper's 512). The extracted equation reads ``E(B_CLS w1 + b)ᵀ / d`` with the radical lost, as in
+  Eq. 7, which is scaled dot-product attention and so ``/ √d``. We read both as √d: dividing by d = 512
+  flattens the softmax over positions to ≈ 1/length for any content, so ``a_i < θ`` would mask every
+  token of a sentence longer than ~1/θ subwords and none of a shorter one — a mask by length, which
+  contradicts the paper's Table 5 (BLEU moves at every step of θ by 0.01) and its own account (the mask
+  removes the tokens least similar to B_CLS). The model logs the scale it uses.
+- **w1, b learn by a straight-through estimator** (``model.mask_estimator="straight_through"``, the
+  default): Eq. 4 is a step, so nothing differentiable reaches A. The paper calls w1 trainable but gives
+  no estimator; the forward pass uses the hard mask M exactly as written, the backward pass the gradient
+  of the soft mask ``σ((θ − a_i) / τ)`` (``model.mask_temperature`` τ, 0.01), so w1, b (and E, through A)
+  learn which tokens to mask. ``"frozen"`` keeps w1, b at their seeded initial values (built with
+  ``requires_grad=False``, so a multi-GPU DDP run does not fail on parameters without a gradient). Either
+  way they form their own parameter group ``mask_query``; checkpoints carry them.
 - **Eq. 5's B** is ``B w3`` (B's width is BERT's, E's is d_model; Eq. 6 already projects it by w3);
   **λ is element-wise** (w2 ∈ R^{2d×d}: the paper calls w2 a matrix). w2, w3, U, V have no bias (none is
   written); Eq. 3 has its b. λ is a ReLU as written (unbounded, so 1 − λ may be negative).
 - **Eq. 7** goes through the shared :class:`~nmtcore.nn.CrossAttention` with one head: query, key/value
   and output projections (E_N and B differ in width, so Eq. 7 cannot be applied without them) and the
-  usual 1/√d scaling rather than the written 1/d. Its dropout is ``model.fusion_attention_dropout``
-  (0.2, Section 3.2).
+  1/√d scaling (the extracted "/ d" lost its radical, as in Eq. 3). Its dropout is
+  ``model.fusion_attention_dropout`` (0.2, Section 3.2).
 - **GLU init** (unspecified in the paper): as BERT-JAM's Eq. 11, W's value column selects B_n and its gate
   column is 0, so ``B = B_n / 2`` at the start, a BERT-only-last-layer model (M1) at half scale.
 - **θ = 1** masks every position whose a_i < 1, i.e. every non-padding position of any source with two or
@@ -52,6 +62,8 @@ embedding is ``E + G``; Table 4's M2 and Table 5's θ = 0 report the same 30.52,
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -66,6 +78,8 @@ from nmtcore.nn import CrossAttention, EncoderOut
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
+
+log = logging.getLogger("nmtcore.models")
 
 # ---------------------------------------------------------------------- multi-layer BERT fusion (Eq. 1-2)
 class LayerFusion(nn.Module):
@@ -92,30 +106,35 @@ class LayerFusion(nn.Module):
 class MaskKnowledge(nn.Module):
     """Eq. 3-6 at the source embedding layer; ``use_mask=False`` is M2 (the gate only: E + G).
 
-    ``mask_query`` is (w1, b) of Eq. 3: fixed (no gradient reaches it through Eq. 4's step, see the
-    module docstring); ``bert_proj`` is w3, ``gate`` is w2 of Eq. 6.
+    ``mask_query`` is (w1, b) of Eq. 3, ``bert_proj`` w3 and ``gate`` w2 of Eq. 6. ``scale`` divides Eq. 3's
+    scores (√d or d, see the module docstring). ``estimator``: ``"straight_through"`` (w1, b learn through
+    the soft mask's gradient, temperature ``temperature``) or ``"frozen"`` (w1, b fixed).
     """
 
-    def __init__(self, d_model: int, bert_dim: int, threshold: float, fill: float, divisor: float,
-                 use_mask: bool) -> None:
+    def __init__(self, d_model: int, bert_dim: int, threshold: float, fill: float, scale: float, use_mask: bool,
+                 estimator: str = "straight_through", temperature: float = 0.01) -> None:
         super().__init__()
-        self.threshold, self.fill, self.divisor = threshold, fill, divisor
+        self.threshold, self.fill, self.scale = threshold, fill, scale
+        self.estimator, self.temperature = estimator, temperature
         self.mask_query = nn.Linear(bert_dim, d_model) if use_mask else None  # w1, b (Eq. 3)
-        if self.mask_query is not None:
+        if self.mask_query is not None and estimator == "frozen":
             self.mask_query.requires_grad_(False)
         self.bert_proj = nn.Linear(bert_dim, d_model, bias=False)  # w3 (Eq. 6)
         self.gate = nn.Linear(2 * d_model, d_model, bias=False)  # w2 (Eq. 6)
         nn.init.xavier_uniform_(self.bert_proj.weight)
         nn.init.xavier_uniform_(self.gate.weight)
 
-    def knowledge_mask(self, emb: Tensor, cls: Tensor, src_mask: Tensor) -> Tensor:
-        """M of Eq. 4: emb (B, S, C), cls = B_CLS (B, H), src_mask (B, S) True = padding → (B, S) bool,
-        True = masked (a_i < θ); padding is never marked."""
+    def attention(self, emb: Tensor, cls: Tensor, src_mask: Tensor) -> Tensor:
+        """A of Eq. 3 in fp32: emb (B, S, C), cls = B_CLS (B, H), src_mask (B, S) True = padding → (B, S),
+        a softmax over each sentence's real positions (0 at padding)."""
         with torch.autocast(emb.device.type, enabled=False):  # A and its threshold in fp32
             q = self.mask_query(cls.float())  # B_CLS w1 + b  (B, C)
-            scores = torch.einsum("bsc,bc->bs", emb.float(), q) / self.divisor  # (B, S)
-            a = torch.softmax(scores.masked_fill(src_mask, float("-inf")), dim=-1)  # Eq. 3, over positions
-        return (a < self.threshold) & ~src_mask  # Eq. 4
+            scores = torch.einsum("bsc,bc->bs", emb.float(), q) / self.scale  # (B, S)
+            return torch.softmax(scores.masked_fill(src_mask, float("-inf")), dim=-1)  # Eq. 3, over positions
+
+    def knowledge_mask(self, emb: Tensor, cls: Tensor, src_mask: Tensor) -> Tensor:
+        """M of Eq. 4: (B, S) bool, True = masked (a_i < θ); padding is never marked."""
+        return (self.attention(emb, cls, src_mask) < self.threshold) & ~src_mask  # Eq. 4
 
     def forward(self, emb: Tensor, cls: Tensor, bert_tok: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
         """emb = E (B, S, C); cls = B_CLS (B, H); bert_tok = B pooled per NMT token (B, S, H).
@@ -125,8 +144,15 @@ class MaskKnowledge(nn.Module):
         g = lam * b + (1 - lam) * emb  # Eq. 5: G
         if self.mask_query is None:  # M2: no mask matrix, Ẽ = E
             return emb + g, torch.zeros_like(src_mask)
-        m = self.knowledge_mask(emb, cls, src_mask)  # (B, S)
-        masked = emb.masked_fill(m.unsqueeze(-1), self.fill)  # Ẽ: M' (B, S, 1) rows filled
+        a = self.attention(emb, cls, src_mask)  # (B, S)
+        m = (a < self.threshold) & ~src_mask  # Eq. 4  (B, S)
+        if self.estimator == "frozen" or not torch.is_grad_enabled():
+            masked = emb.masked_fill(m.unsqueeze(-1), self.fill)  # Ẽ: M' (B, S, 1) rows filled
+        else:
+            # Straight-through: forward the hard M exactly (soft − soft.detach() is 0), backward σ's gradient.
+            soft = torch.sigmoid((self.threshold - a) / self.temperature) * ~src_mask  # (B, S)
+            w = (m.float() + (soft - soft.detach())).unsqueeze(-1).to(emb.dtype)  # (B, S, 1), values exactly M'
+            masked = emb * (1 - w) + self.fill * w  # Ẽ: the same values as masked_fill
         return masked + g, m
 
 
@@ -169,13 +195,19 @@ class MaskFusion(Transformer):
         self.layer_fusion = LayerFusion(self.bert.num_layers) if cfg.bert_layers == "all" else None
         self.knowledge = None
         if cfg.embedding_fusion != "none":
-            self.knowledge = MaskKnowledge(cfg.d_model, bert_dim, cfg.mask_threshold, cfg.mask_fill,
-                                           cfg.mask_divisor or cfg.d_model, cfg.embedding_fusion == "mask")
+            scale = math.sqrt(cfg.d_model) if cfg.mask_scale == "sqrt_d" else float(cfg.d_model)
+            self.knowledge = MaskKnowledge(cfg.d_model, bert_dim, cfg.mask_threshold, cfg.mask_fill, scale,
+                                           cfg.embedding_fusion == "mask", cfg.mask_estimator, cfg.mask_temperature)
+            if cfg.embedding_fusion == "mask":
+                log.info("mask knowledge matrix (Eq. 3-4): scores / %s (d = %d), θ = %g, w1/b %s",
+                         "√d" if cfg.mask_scale == "sqrt_d" else "d", cfg.d_model, cfg.mask_threshold,
+                         f"straight-through (τ = {cfg.mask_temperature:g})" if cfg.mask_estimator == "straight_through"
+                         else "frozen at their initial values")
         self.adaptive = (AdaptiveFusion(cfg.d_model, bert_dim, cfg.fusion_attention_dropout)
                          if cfg.adaptive_fusion else None)
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        """``bert`` (the BERT), ``mask_query`` (Eq. 3's fixed w1, b; empty without the mask) and ``nmt``
+        """``bert`` (the BERT), ``mask_query`` (Eq. 3's w1, b; empty without the mask) and ``nmt``
         (everything else, the fusion modules included)."""
         query: list[nn.Parameter] = []
         if self.knowledge is not None and self.knowledge.mask_query is not None:
