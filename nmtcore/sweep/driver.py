@@ -12,25 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nmtcore import tracking
-from nmtcore.bert import ensure_bert
 from nmtcore.config import ExperimentConfig
-from nmtcore.data import prepare_data
 from nmtcore.engine import Callback
 from nmtcore.sweep import ray_backend
 from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
-from nmtcore.sweep.baseline import ensure_baseline
 from nmtcore.sweep.lifecycle import (
     ROLE_TAG,
     SWEEP_TAG,
     TrialState,
     end_trial,
     find_child_run,
+    note_sweep_report,
+    publish_sweep_views,
     sweep_children,
 )
 from nmtcore.sweep.plan import (
@@ -132,11 +132,12 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     try:
         if settings.address:
             ray_backend.check_cluster(settings, base)
+        print_where(settings, None, dashboard_url, exp_dir)
         data = prepare_shared(base, space)
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
-            made = ensure_baseline(baseline or baseline_config(space, base), settings.baseline_store,
-                                   tracking_uri=settings.tracking_uri, used_by=settings.name)
+            made = ray_backend.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
+                                                    tracking_uri=settings.tracking_uri, used_by=settings.name)
             base = base.with_overrides({"train.init_from": str(made.path)})
         tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
                 "nmtcore.space": space.name, "nmtcore.model": model,
@@ -184,7 +185,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             for cells, exp in phases(space, exp_dir):
                 outcome = ray_backend.run_tune(ctx, settings, exp, base.train.max_epochs, restore=state is not None,
                                                cells=cells, on_trial_end=on_trial_end,
-                                               before_fit=lambda: print_where(settings, parent, dashboard_url, exp))
+                                               before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
                 saved += outcome.trials
                 leaked += outcome.leaked_removed
             interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)
@@ -196,6 +197,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             elif settings.report_dir:
                 report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
                                                             settings.report_dir, log=True)]
+                _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
             if leaked:
                 parent.set_tags({"nmtcore.leaked_placement_groups_removed": leaked})
             if interrupted:
@@ -229,17 +231,16 @@ def describe_protocol(space: SearchSpace, made: Any) -> str:
 
 
 def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> dict[str, str]:
-    """Prepare in the driver, once, what parallel trials would otherwise each make: the data (fails fast
-    on missing data; the vocabulary is cached) and every distinct BERT of the grid (downloaded, or made
-    here when the hub is unreachable: :func:`nmtcore.bert.ensure_bert`). Returns the data checksums."""
-    checksums = dict(prepare_data(base.data).checksums)
+    """Prepare once, before the trials, what parallel trials would otherwise each make, each as a named Ray
+    task on the driver's node (the dashboard lists them; the console shows their progress): the data ("prepare
+    data ...": fails fast on missing data; the vocabulary is cached) and every distinct BERT of the grid
+    ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`).
+    Returns the data checksums."""
+    checksums = ray_backend.prepare_data_task(base.data)
     for cfg in distinct_berts(space, base):
         b = cfg.model.bert
-        what = b.name or f"L{b.layers}-H{b.hidden}"
-        print(f"preparing BERT {what} (resolved, or pretrained on this machine if nothing answers) ...", flush=True)
-        t0 = time.perf_counter()
-        ensure_bert(cfg)
-        print(f"  BERT {what} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
+        ray_backend.ensure_bert_task(cfg, what)
     return checksums
 
 
@@ -270,15 +271,38 @@ def end_orphans(parent_run_id: str, tracking_uri: str, interrupted: bool) -> Non
             end_trial(run.run_id, TrialState.KILLED, tracking_uri, reason=reason)
 
 
-def print_where(settings: SweepSettings, parent: tracking.Tracker, dashboard_url: str | None, exp_dir: str) -> None:
-    """Tell the user where to watch the sweep."""
+def print_where(settings: SweepSettings, parent: tracking.Tracker | None, dashboard_url: str | None, exp_dir: str,
+                space: SearchSpace | None = None) -> None:
+    """Tell the user where to watch the sweep. As soon as Ray is up (``parent`` None): the dashboard, where the
+    pre-sweep tasks show, and how to sign in to it. As the trials start: the MLflow UI and the page to open,
+    this sweep's view of its arms (made here for ``space``: :func:`~nmtcore.sweep.lifecycle.publish_sweep_views`),
+    the dashboard again, the Tune experiment and where the report goes."""
+    ray_lines = ray_backend.dashboard_access(dashboard_url, local=not settings.address)
+    if parent is None:
+        head = f"sweep {settings.name}: Ray cluster ready; the work the trials share runs first, as Ray tasks"
+        print("\n".join([head, *(f"  {line}" for line in ray_lines)]), flush=True)
+        return
+    views = _describe(lambda: publish_sweep_views(parent.run_id, space, parent.tracking_uri)) if space else None
     lines = [f"sweep {settings.name}: MLflow parent run {parent.run_id} in {parent.tracking_uri}",
-             f"  MLflow UI:       {tracking.ui_command(parent.tracking_uri)}",
-             f"  Ray dashboard:   {dashboard_url or '(not started)'}",
-             f"  Tune experiment: {exp_dir}"]
+             f"  MLflow UI:       {tracking.ui_command(parent.tracking_uri)}"]
+    if views is not None:
+        lines += [f"    then open:     {views.url(views.arms)}",
+                  ("                   this sweep's arms (varied keys, test BLEU, best first; 'Chart': BLEU "
+                   "against the varied keys);"),
+                  f"                   the sweep's page: {views.url(views.parent)}"]
+    lines += [f"  {ray_lines[0]}", f"  Tune experiment: {exp_dir}"]
     if settings.report_dir:
-        lines.append(f"  report (at end): {settings.report_dir}")
+        lines.append(f"  report (at end): {settings.report_dir} (and on the sweep's page)")
     print("\n".join(lines), flush=True)
+
+
+def _describe(publish: Callable[[], Any]) -> Any:
+    """Run a call that only describes the sweep in MLflow's UI; a failure is a warning, never the sweep's end."""
+    try:
+        return publish()
+    except Exception as e:  # noqa: BLE001 - views are a convenience; the record itself is intact
+        logging.getLogger("nmtcore.sweep").warning("could not describe the sweep in MLflow's UI: %s", e)
+        return None
 
 
 def describe_search(space: SearchSpace, settings: SweepSettings) -> str:

@@ -16,10 +16,18 @@ Search algorithm: a space of grid/choice dimensions is enumerated (Tune's varian
 more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, with seeds as Tune
 ``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
 
-Where things run: by default a local Ray cluster of all cores (dashboard on 127.0.0.1:8265, URL printed;
-Ray's token auth stays on unless ``RAY_AUTH_MODE=disabled``), trials as many at once as fit
+Where things run: by default a local Ray cluster of all cores, trials as many at once as fit
 (``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU). With ``address``
-the sweep joins an existing cluster instead, after :func:`check_cluster`.
+the sweep joins an existing cluster instead, after :func:`check_cluster`. Before the trials, the work they
+share (data, BERTs, the protocol's baseline) runs as named Ray tasks on the driver's node
+(:func:`run_pre_sweep_task`: "prepare data ...", "prepare BERT ...", "train baseline ..."), so it shows in
+the dashboard, with its progress lines, a bar and an ETA on the console.
+
+Who can reach the local cluster: every Ray process of it listens on 127.0.0.1 only (GCS, raylet, workers,
+dashboard and its agents; see :func:`init_ray` for how), and the dashboard keeps Ray's token authentication
+(on by default for a cluster ``ray.init`` starts; ``RAY_AUTH_MODE=disabled`` turns it off): loopback alone
+does not keep out other users of the same machine. :func:`dashboard_access` says how to sign in (the token
+is never printed: consoles end up in logs and issues). A joined cluster keeps its own binding and auth.
 
 Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
 whose loss becomes NaN/inf ends FAILED with the reason in MLflow, and Tune's retries of it end at once
@@ -31,16 +39,21 @@ Train controller died (the leak that hangs ASHA sweeps with TorchTrainer trials)
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import queue
+import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import optuna
 import ray
@@ -55,13 +68,21 @@ from ray.tune.search.optuna import OptunaSearch
 from nmtcore import tracking
 from nmtcore.bert import ensure_bert
 from nmtcore.checkpoint import epoch_checkpoints
-from nmtcore.config import ExperimentConfig
+from nmtcore.config import DataConfig, ExperimentConfig
+from nmtcore.data import prepare_data
 from nmtcore.engine import (
     Callback,
     NonFiniteLossError,
     RunSummary,
     Trainer,
     run_experiment,
+)
+from nmtcore.sweep.baseline import (
+    Baseline,
+    baseline_key,
+    default_root,
+    ensure_baseline,
+    find_baseline,
 )
 from nmtcore.sweep.lifecycle import (
     FAILURE_KIND_TAG,
@@ -75,7 +96,6 @@ from nmtcore.sweep.lifecycle import (
 )
 from nmtcore.sweep.plan import (
     SEED_KEY,
-    run_label,
     trial_config,
     trial_key,
     trial_overrides,
@@ -102,7 +122,10 @@ from nmtcore.sweep.trial import (
     failure_reason,
     final_metrics_from_run,
     last_epoch_metrics,
+    run_name,
 )
+
+T = TypeVar("T")
 
 log = logging.getLogger("nmtcore.sweep")
 
@@ -212,9 +235,9 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     if existing is not None and existing.tags.get(FAILURE_KIND_TAG) == "nonfinite":
         raise NonFiniteTrialError(existing.tags.get(tracking.FAILURE_REASON_TAG, "non-finite loss"))
     point, control = trial_point(ctx.space, config)
-    label = run_label({"arm": "control"} if control else point, overrides.get(SEED_KEY))
-    run_id, _ = open_child_run(ctx.parent_run_id, key, label, ctx.child_tags(overrides, point, control),
-                               ctx.tracking_uri)
+    name = run_name(point, control, overrides.get(SEED_KEY, ctx.base_seed))
+    run_id, _ = open_child_run(ctx.parent_run_id, key, name, ctx.child_tags(overrides, point, control),
+                               ctx.tracking_uri, params=ctx.child_params(point, control))
     trial_id = tune.get_context().get_trial_id()
     set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
@@ -225,6 +248,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         _train_loop,
         train_loop_config={"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri,
                            "trial_key": key, "trial_id": trial_id, "test_split": ctx.test_split,
+                           "metric": ctx.metric,
                            "threads": ctx.threads_per_worker,
                            "gpus": ctx.gpus_per_worker * ctx.workers, "callbacks": list(ctx.trial_callbacks)},
         scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers, use_gpu=ctx.gpus_per_worker > 0,
@@ -252,17 +276,20 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
 
 class _RayReport(Callback):
     """Reports every epoch's metrics to Ray Train (rank 0 adds the epoch checkpoint), and sums the
-    workers' CPU seconds at the end (all ranks take part in the all-reduce)."""
+    workers' CPU seconds at the end (all ranks take part in the all-reduce).
 
-    def __init__(self) -> None:
+    Order matters: Tune's status table shows the first four metrics of the first results, so every report
+    starts with ``epoch`` and the sweep's ``metric``."""
+
+    def __init__(self, metric: str = "") -> None:
         self.cpu_s = 0.0
+        self.metric = metric
         self.last_epoch: dict[str, float] = {}
         self._cpu0 = time.process_time()
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float],
                      checkpoint: Path | None) -> None:
-        report = {k: float(v) for k, v in metrics.items()}
-        report["epoch"] = float(epoch)
+        report = first_keys({k: float(v) for k, v in metrics.items()}, epoch=float(epoch), metric=self.metric)
         self.last_epoch = dict(report)
         if checkpoint is None:
             ray.train.report(report)
@@ -289,7 +316,7 @@ def _train_loop(lc: dict[str, Any]) -> None:
     rank = context.get_world_rank()
     node_ids = all_gather(ray.get_runtime_context().get_node_id())
     _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"))
-    reporter = _RayReport()
+    reporter = _RayReport(lc.get("metric", ""))
     callbacks: list[Callback] = [reporter]  # Ray first, then MLflow, then the caller's: an epoch is
     tracker: tracking.Tracker | None = None  # checkpointed and logged before user code can fail it
     if rank == 0:
@@ -314,10 +341,22 @@ def _train_loop(lc: dict[str, Any]) -> None:
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
         test = summary.test.get(lc["test_split"]) or next(iter(summary.test.values()), None)
-        final.update({"epoch": float(summary.epochs), "test_bleu": test.bleu if test else float("nan"),
+        final.update({"test_bleu": test.bleu if test else float("nan"),
                       "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
                       "node_ids": ",".join(node_ids)})
-        ray.train.report(final)
+        ray.train.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
+
+
+TABLE_KEYS = ("valid_loss", "valid_bleu", "train_loss")  # after the sweep's metric, in Tune's table
+
+
+def first_keys(metrics: Mapping[str, Any], epoch: float, metric: str) -> dict[str, Any]:
+    """``metrics`` with ``epoch`` first, then the sweep's metric and :data:`TABLE_KEYS`: the four columns
+    Tune's status table shows (it takes the first four of a trial's first result)."""
+    out: dict[str, Any] = {"epoch": epoch}
+    out.update((k, metrics[k]) for k in (metric, *TABLE_KEYS) if k in metrics)
+    out.update((k, v) for k, v in metrics.items() if k not in out)
+    return out
 
 
 
@@ -450,11 +489,19 @@ def remove_leaked_placement_groups() -> int:
     return removed
 
 
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.0.0.1, every port on it
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
              dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
              env: Mapping[str, str] | None = None) -> str | None:
     """Start a local Ray cluster (or join ``address``) unless this process is already connected;
-    returns the dashboard URL (``http://127.0.0.1:8265``) or None."""
+    returns the dashboard URL (``http://127.0.0.1:8265``) or None.
+
+    A local cluster is always a new one (never a ``ray start`` cluster found on the machine: joining one
+    is what ``address`` is for), single-node, and bound to 127.0.0.1 (:func:`_loopback_only`). Its
+    dashboard keeps Ray's token authentication (:func:`dashboard_access`).
+    """
     env_vars = {**RAY_ENV, **(env or {})}
     for k, v in env_vars.items():
         os.environ.setdefault(k, v)
@@ -464,8 +511,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
         if address:
             ctx = ray.init(address=address, **kwargs)
         else:
-            ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
-                           dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
+            with _loopback_only():
+                ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
+                               dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
+            node_ip = (getattr(ctx, "address_info", None) or {}).get("node_ip_address", "127.0.0.1")
+            if node_ip != "127.0.0.1" and os.environ.get(LOOPBACK_VAR) != "1":
+                log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1 (this Ray version no longer "
+                            "honours %s=0): keep its token authentication on", node_ip, LOOPBACK_VAR)
+            _private_token_file()
         url = getattr(ctx, "dashboard_url", None)
     else:
         url = None
@@ -474,6 +527,90 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if url and not url.startswith("http"):
         url = f"http://{url}"
     return url or None
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Any:
+    """While a local cluster starts: Ray's node IP is 127.0.0.1, so the GCS, the raylet, every worker and the
+    dashboard's agents listen there only (``dashboard_host`` covers the dashboard's HTTP port alone, and
+    ``_node_ip_address="127.0.0.1"`` is swapped for the routable address by Ray itself).
+
+    The one switch Ray has is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (it also makes the cluster
+    single-node, which a local cluster is). Ray reads it once, at ``import ray``, and this module is
+    imported before anyone knows whether the sweep will join a cluster (``--address``: there the driver
+    must be reachable from the other nodes). So the choice is made here, when a *local* cluster starts:
+    the variable is set for the processes ``ray.init`` spawns (they read it at their own import) and Ray's
+    constant for this process, both restored afterwards. A joined cluster is untouched, and so is a user's
+    explicit ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` (a local head other nodes may join).
+    """
+    from ray._private import ray_constants
+
+    if os.environ.get(LOOPBACK_VAR) == "1":
+        yield
+        return
+    saved_env, saved_const = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = saved_env
+
+
+def token_source() -> tuple[str, Path | None]:
+    """Where Ray takes its auth token from, as Ray looks (``$RAY_AUTH_TOKEN``, the file in
+    ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``): (a phrase for people, the file or None)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "$RAY_AUTH_TOKEN of the sweep's environment", None
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        path = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
+        return f"the file {path} ($RAY_AUTH_TOKEN_PATH)", path
+    path = Path.home() / ".ray" / "auth_token"
+    return f"the file {path}", path
+
+
+def _private_token_file() -> None:
+    """Ray writes a token it generates world-readable (0644); the token opens the dashboard, so 0600."""
+    if os.environ.get("RAY_AUTH_MODE") == "disabled":
+        return
+    _, path = token_source()
+    with contextlib.suppress(OSError):
+        if path is not None and path.is_file() and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+
+
+def dashboard_auth_mode(url: str, timeout_s: float = 3.0) -> str:
+    """``token`` or ``disabled`` as the dashboard at ``url`` says (its public ``/api/authentication_mode``),
+    or ``unknown``."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/api/authentication_mode", timeout=timeout_s) as r:
+            return str(json.loads(r.read()).get("authentication_mode", "unknown"))
+    except Exception:
+        return "unknown"
+
+
+def dashboard_access(url: str | None, local: bool) -> list[str]:
+    """Lines telling a user how to open the Ray dashboard at ``url``: where it listens and how to sign in
+    (the command and the token's file; never the token itself)."""
+    if not url:
+        return ["Ray dashboard:   (not started)"]
+    where = "local cluster, every Ray port on 127.0.0.1 only" if local else "the joined cluster's"
+    lines = [f"Ray dashboard:   {url}  ({where})"]
+    mode = dashboard_auth_mode(url)
+    source, _ = token_source()
+    if mode == "token":
+        lines += ["  sign in once:  the dashboard asks for Ray's auth token: paste what `ray get-auth-token` prints",
+                  f"                 (run where the sweep runs; the token is {source}); the browser keeps it 30 days"]
+    elif mode == "disabled":
+        lines.append("  no sign-in:    token auth is off (RAY_AUTH_MODE=disabled): anyone who reaches "
+                     f"{url.split('://', 1)[-1]} can use it" + (" (this machine only)" if local else ""))
+    else:
+        lines.append(f"  sign in:       if asked for a token, paste what `ray get-auth-token` prints ({source})")
+    return lines
 
 
 def shutdown_ray() -> None:
@@ -606,6 +743,232 @@ def _trial_name(trial: Any) -> str:
     return f"trial_{trial.trial_id}"
 
 
+class _TrialNames:
+    """Tune's name of a trial (its status table's first column): the arm and seed, as the trial's MLflow
+    run is named, then Tune's trial id: ``L4-H256 seed 1 (a1b2c_00003)``."""
+
+    def __init__(self, space: SearchSpace, base_seed: int) -> None:
+        self.space, self.base_seed = space, base_seed
+
+    def __call__(self, trial: Any) -> str:
+        try:
+            point, control = trial_point(self.space, trial.config)
+            seed = trial_overrides(self.space, trial.config, self.base_seed).get(SEED_KEY, self.base_seed)
+            return f"{run_name(point, control, seed)} ({trial.trial_id})"
+        except Exception:  # never let a display name stop a sweep
+            return _trial_name(trial)
+
+
+def _named_trainable(sweep: str) -> Callable[[dict[str, Any], SweepContext], None]:
+    """:func:`_trial_main` under a name that says which sweep it belongs to: Ray shows every trial's actor
+    with this name (the dashboard's Actors page, "Repr"), and its tasks as ``<name>.train``."""
+    def trial(config: dict[str, Any], ctx: SweepContext) -> None:
+        _trial_main(config, ctx)
+
+    trial.__name__ = trial.__qualname__ = f"trial of {sweep}"
+    return trial
+
+
+# ============================================================================== pre-sweep tasks
+HEARTBEAT_S = 30.0  # a pre-sweep task silent this long gets a "still running" line on the console
+TASK_ENV_PREFIXES = ("NMTCORE_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MLFLOW_")
+_DONE = object()
+
+
+class _LineHandler(logging.Handler):
+    """Forwards ``nmtcore.*`` log records (BERT pretraining's steps...) as progress lines."""
+
+    def __init__(self, lines: queue.Queue[Any]) -> None:
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        self.lines.put(prefix + record.getMessage())
+
+
+@ray.remote(num_returns="streaming")
+def _pre_sweep_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], threads: int,
+                    progress_kw: str | None) -> Any:
+    """Run ``fn`` (in a thread of this Ray task) and stream ``("line", text)`` for every progress line it
+    gives (its ``progress_kw`` callback and its ``nmtcore`` log records), then ``("result", value)``."""
+    import torch
+
+    lines: queue.Queue[Any] = queue.Queue()
+    out: dict[str, Any] = {}
+    logger = logging.getLogger("nmtcore")
+    handler = _LineHandler(lines)
+    saved = (logger.level, logger.propagate, torch.get_num_threads())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the lines reach the driver through this stream, not twice through Ray's logs
+    logger.addHandler(handler)
+    torch.set_num_threads(max(1, threads))
+    if progress_kw:
+        kwargs = {**kwargs, progress_kw: lines.put}
+
+    def work() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the task
+            out["error"] = e
+        finally:
+            lines.put(_DONE)
+
+    worker = threading.Thread(target=work, name="pre-sweep", daemon=True)
+    worker.start()
+    try:
+        while (item := lines.get()) is not _DONE:
+            yield ("line", item)
+    finally:
+        worker.join()
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        torch.set_num_threads(saved[2])
+    if "error" in out:
+        raise out["error"]
+    yield ("result", out["value"])
+
+
+class PhaseProgress:
+    """The console of one long phase: its progress lines, with a bar and an ETA where a line counts units
+    of work ("step 300/1000", "epoch 2/10"), "still running" when it is silent for :data:`HEARTBEAT_S`, and
+    how long it took."""
+
+    UNIT = re.compile(r"\b(step|epoch|update)s? (\d+)/(\d+)\b")
+
+    def __init__(self, name: str, out: Callable[[str], None] | None = None) -> None:
+        self.name = name
+        self.out = out or (lambda line: print(line, flush=True))
+        self.t0 = time.monotonic()
+        self.first: dict[str, tuple[float, int]] = {}  # unit -> (time, count) when first seen
+        self.last: tuple[str, int, int] | None = None  # (unit, done, total)
+
+    def started(self, where: str) -> None:
+        self.out(f"{self.name}: started ({where})")
+
+    def line(self, text: str) -> None:
+        m = self.UNIT.search(text)
+        if m is None:
+            self.out(f"{self.name}: {text}")
+            return
+        unit, done, total = m.group(1), int(m.group(2)), int(m.group(3))
+        self.first.setdefault(unit, (time.monotonic(), done))
+        self.last = (unit, done, total)
+        eta = "" if "to go" in text else self._eta()
+        self.out(f"{self.name}: {self.bar(done, total)} {text}{eta}")
+
+    def heartbeat(self) -> None:
+        last = f"; last: {self.last[0]} {self.last[1]}/{self.last[2]}{self._eta()}" if self.last else ""
+        self.out(f"{self.name}: still running, {_duration(time.monotonic() - self.t0)} elapsed{last}")
+
+    def finished(self) -> None:
+        self.out(f"{self.name}: done in {_duration(time.monotonic() - self.t0)}")
+
+    @staticmethod
+    def bar(done: int, total: int, width: int = 20) -> str:
+        frac = min(1.0, done / total) if total else 1.0
+        full = int(round(frac * width))
+        return f"[{'#' * full}{'.' * (width - full)}] {frac:4.0%}"
+
+    def _eta(self) -> str:
+        if self.last is None:
+            return ""
+        unit, done, total = self.last
+        t_first, n_first = self.first[unit]
+        if done <= n_first or done >= total:
+            return ""
+        rate = (time.monotonic() - t_first) / (done - n_first)
+        return f" (about {_duration(rate * (total - done))} to go)"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float = 0.0,
+                       progress_kw: str | None = None, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` as a Ray task named ``name`` (so the dashboard lists it, under the sweep's
+    job), on the driver's node with its CPUs (torch threads to match) and ``gpus``, with the driver's
+    cache and hub settings; blocks until it ends, printing its progress (:class:`PhaseProgress`). Returns
+    its value; raises its exception as it was raised (a user error stays a one-line error)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in cluster_nodes() if n["node_id"] == node_id), None)
+    cpus = max(1.0, float(node["cpus"])) if node else 1.0
+    env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
+    progress = PhaseProgress(name)
+    progress.started(f"Ray task, {cpus:g} CPU{'s' if cpus != 1 else ''}" + (f", {gpus:g} GPU" if gpus else ""))
+    gen = _pre_sweep_task.options(
+        name=name, num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+    ).remote(fn, args, kwargs, int(cpus), progress_kw)
+    try:
+        while True:
+            ready, _ = ray.wait([gen], timeout=HEARTBEAT_S)
+            if not ready:
+                progress.heartbeat()
+                continue
+            try:
+                kind, value = ray.get(next(gen))
+            except StopIteration:
+                raise RuntimeError(f"{name}: the task ended without a result") from None
+            if kind == "line":
+                progress.line(str(value))
+                continue
+            progress.finished()
+            return value
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            raise cause from None  # the task's own error, as the driver raised it before these were tasks
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.cancel(gen)
+        raise
+
+
+_DATA_CHECKSUMS: dict[str, dict[str, str]] = {}  # data section -> its checksums, prepared in this process's sweeps
+
+
+def _data_key(data: DataConfig) -> str:
+    return json.dumps(asdict(data), sort_keys=True, default=repr)
+
+
+def _prepare_data_checksums(data: DataConfig) -> dict[str, str]:
+    return dict(prepare_data(data).checksums)
+
+
+def prepare_data_task(data: DataConfig) -> dict[str, str]:
+    """Prepare a data section (read, vocabulary, encode: cached) as the task "prepare data <corpus> <src>-<tgt>";
+    returns its checksums."""
+    checksums = run_pre_sweep_task(f"prepare data {data.corpus} {data.src_lang}-{data.tgt_lang}",
+                                   _prepare_data_checksums, data)
+    _DATA_CHECKSUMS[_data_key(data)] = checksums
+    return checksums
+
+
+def ensure_bert_task(cfg: ExperimentConfig, what: str) -> ExperimentConfig:
+    """:func:`nmtcore.bert.ensure_bert` as the task "prepare BERT <what>" (made here if nothing answers:
+    minutes, with its steps on the console), with its quality figure measured once (cached) so every trial
+    using it reports what its BERT knows."""
+    return run_pre_sweep_task(f"prepare BERT {what}", ensure_bert, cfg, progress_kw="progress", quality=True)
+
+
+def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:
+    """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
+    ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one."""
+    checksums = _DATA_CHECKSUMS.get(_data_key(cfg.data)) or prepare_data_task(cfg.data)
+    key = baseline_key(cfg, checksums)
+    found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
+    node_id = ray.get_runtime_context().get_node_id()
+    gpus = next((n["gpus"] for n in cluster_nodes() if n["node_id"] == node_id), 0)
+    return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
+                              gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", **kwargs)
+
+
 # ============================================================================== the Tune run
 @dataclass
 class TuneOutcome:
@@ -629,7 +992,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
         log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)
     max_concurrent = min(settings.max_concurrent or fits, fits)
     callback = _SweepCallback(ctx, on_trial_end)
-    trainable = tune.with_resources(tune.with_parameters(_trial_main, ctx=ctx), DRIVER_RESOURCES)
+    trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx), DRIVER_RESOURCES)
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
     name = Path(exp_dir).name
     if restore and tune.Tuner.can_restore(exp_dir):
@@ -650,7 +1013,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
                 # A trial's own reservation holds no CPU (DRIVER_RESOURCES): without this cap Tune would start
                 # every trial at once and the surplus would wait for worker CPUs until they time out.
                 max_concurrent_trials=None if cells else max_concurrent, reuse_actors=False,
-                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+                trial_name_creator=_TrialNames(space, ctx.base_seed), trial_dirname_creator=_trial_name),
             run_config=tune.RunConfig(name=name, storage_path=str(Path(exp_dir).parent) if not is_uri(exp_dir)
                                       else exp_dir.rsplit("/", 1)[0],
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),

@@ -16,15 +16,37 @@ from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
 from nmtcore.config import ExperimentConfig
 from nmtcore.engine import RunSummary, Trainer
 from nmtcore.sweep.lifecycle import (
+    ARM_PARAM,
     ARM_TAG,
+    CONTROL_PARAM,
     CONTROL_TAG,
     SWEEP_TAG,
     TRIAL_STATE_TAG,
     TrialState,
 )
-from nmtcore.sweep.plan import SEED_KEY, config_key, plain
-from nmtcore.sweep.space import CONTROL, SearchSpace, point_label
+from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, config_key, fmt, plain
+from nmtcore.sweep.space import ARM_KEY, CONTROL, SearchSpace
 from nmtcore.tracking.callback import TrackingCallback
+
+# Config keys a run name abbreviates, in the papers' notation (BERT-JAM's Table 6: "L4-H256").
+SHORT_NAMES = {"model.bert.layers": "L", "model.bert.hidden": "H"}
+
+
+def arm_name(point: Mapping[str, Any], control: bool) -> str:
+    """What a trial's arm is called in run names and Tune's table: ``control``, ``L4-H256`` (BERT layers and
+    hidden size, abbreviated), an ablation arm's own name, else ``p_net=0.3 kd_alpha=0.5``."""
+    if control:
+        return CONTROL
+    values = {k: plain(v) for k, v in point.items() if k != TRIAL_INDEX_KEY}
+    short = "-".join(f"{SHORT_NAMES[k]}{fmt(v)}" for k, v in values.items() if k in SHORT_NAMES)
+    rest = [str(v) if k == ARM_KEY else f"{k.rsplit('.', 1)[-1]}={fmt(v)}"
+            for k, v in values.items() if k not in SHORT_NAMES]
+    return " ".join(([short] if short else []) + rest) or "base"
+
+
+def run_name(point: Mapping[str, Any], control: bool, seed: int) -> str:
+    """A child run's name: its arm and seed (``L4-H256 seed 2``, ``control seed 1``)."""
+    return f"{arm_name(point, control)} seed {seed}"
 
 
 class NonFiniteTrialError(RuntimeError):
@@ -53,17 +75,22 @@ class SweepContext:
     trial_callbacks: tuple[Any, ...] = ()
 
     def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
-        """Tags of a trial's child run: the sweep, the study, its arm (``control`` or the point's label), the
+        """Tags of a trial's child run: the sweep, the study, its arm (:func:`arm_name`: the run name's), the
         varied keys and their values, the seed, where it warm-started from."""
         tags = {SWEEP_TAG: self.name, "nmtcore.study": self.space.study, "nmtcore.space": self.space.name,
                 "nmtcore.model": overrides.get("model.name") or self.base.model.name,
                 "nmtcore.varied_keys": ",".join(self.space.varied_keys), "nmtcore.config_key": config_key(overrides),
                 "nmtcore.seed": overrides.get(SEED_KEY, self.base_seed),
-                ARM_TAG: CONTROL if control else point_label(point), CONTROL_TAG: str(control).lower(),
+                ARM_TAG: arm_name(point, control), CONTROL_TAG: str(control).lower(),
                 "nmtcore.warm_start": self.base.train.init_from or "none (from scratch)"}
         for key, value in point.items():
             tags[f"varied.{key}"] = plain(value)
         return tags
+
+    def child_params(self, point: Mapping[str, Any], control: bool) -> dict[str, str]:
+        """Params of a trial's child run besides its config (which holds every varied key under its own
+        name): the arm and the control flag, so the runs table and the compare view sort and filter by them."""
+        return {ARM_PARAM: arm_name(point, control), CONTROL_PARAM: str(control).lower()}
 
 
 def final_metrics_from_run(run: tracking.RunRecord) -> dict[str, Any]:

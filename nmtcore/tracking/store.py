@@ -26,12 +26,16 @@ Failure policy — tracking is part of the experiment's record, so:
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import os
 import tempfile
 import threading
 import time
+import urllib.parse
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -63,6 +67,14 @@ FAILURE_REASON_TAG = "nmtcore.failure_reason"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 DEFAULT_EXPERIMENT = "nmtcore"
+# What the MLflow UI (3.17) reads from tags. A run's or an experiment's description is Markdown in
+# NOTE_TAG; the experiment kind is what the UI's own kind selector writes (the landing tab follows the
+# URL's workflowType instead, see experiment_url); a shared view (runs table columns, sort, filter and
+# charts) is an experiment tag SHARED_VIEW_PREFIX + key opened by the URL parameter viewStateShareKey=key.
+NOTE_TAG = "mlflow.note.content"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 
 # Serialises temporary MLflow environment overrides (_env_override); re-entrant so they may nest.
 _ENV_LOCK = threading.RLock()
@@ -449,6 +461,69 @@ def log_run_artifacts(run_id: str, paths: list[str | os.PathLike], artifact_path
     with _reader(tracking_uri) as client:
         for path in paths:
             client.log_artifact(run_id, os.fspath(path), artifact_path)
+
+
+def set_experiment_tags(experiment_id: str, tags: Mapping[str, Any],
+                        tracking_uri: str | os.PathLike | None = None) -> None:
+    """Set tags on an experiment (values stringified and truncated to MLflow's limit)."""
+    with _reader(tracking_uri) as client:
+        for key, value in tags.items():
+            _check_key(key)
+            client.set_experiment_tag(experiment_id, key, truncate(tag_value(value), MAX_TAG_VAL_LENGTH))
+
+
+def get_experiment_tags(experiment_id: str, tracking_uri: str | os.PathLike | None = None) -> dict[str, str]:
+    """An experiment's tags."""
+    with _reader(tracking_uri) as client:
+        return dict(client.get_experiment(experiment_id).tags)
+
+
+def set_shared_view(experiment_id: str, key: str, state: Mapping[str, Any],
+                    tracking_uri: str | os.PathLike | None = None) -> None:
+    """Store a runs-page view (``selectedColumns``, ``orderByKey``, ``searchFilter``, ``compareRunCharts``...)
+    that :func:`experiment_url` with ``view=key`` opens. Plain JSON, or the UI's ``deflate;`` + base64 zlib
+    form when the JSON is longer than a tag holds."""
+    text = json.dumps(dict(state), separators=(",", ":"))
+    if len(text) > MAX_TAG_VAL_LENGTH:
+        text = "deflate;" + base64.b64encode(zlib.compress(text.encode())).decode()
+    if len(text) > MAX_TAG_VAL_LENGTH:
+        raise ValueError(f"shared view {key!r} is too large for an MLflow tag ({len(text)} characters)")
+    set_experiment_tags(experiment_id, {SHARED_VIEW_PREFIX + key: text}, tracking_uri)
+
+
+def ui_address(tracking_uri: str, port: int = 5000) -> str:
+    """Where a browser finds the MLflow UI of ``tracking_uri``: the server itself, or the local ``mlflow ui``
+    that :func:`~nmtcore.tracking.uri.ui_command` starts (127.0.0.1, ``port``)."""
+    if tracking_uri.split("://", 1)[0].lower() in ("http", "https"):
+        return tracking_uri.rstrip("/")
+    return f"http://127.0.0.1:{port}"
+
+
+def experiment_url(experiment_id: str, view: str | None = None, charts: bool = False) -> str:
+    """The UI route (``#/...``, relative to :func:`ui_address`) of an experiment's runs table, as a model
+    training experiment (MLflow 3.17 opens every experiment on its GenAI overview unless the URL says
+    ``workflowType=machine_learning``), with the shared view ``view`` and its charts if asked."""
+    query = {**({"viewStateShareKey": view} if view else {}), **({"compareRunsMode": "CHART"} if charts else {}),
+             "workflowType": "machine_learning"}
+    return f"#/experiments/{experiment_id}/runs?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
+
+
+def compare_url(experiment_id: str, run_ids: list[str]) -> str:
+    """The UI route of the compare view of ``run_ids`` (params, metrics and plots side by side)."""
+    runs = urllib.parse.quote(json.dumps(list(run_ids), separators=(",", ":")))
+    return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
+
+
+def run_url(experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+    """The UI route of a run's page (as a model-training run), or of one of its artifacts (rendered: images,
+    Markdown, HTML...)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{page}/artifacts/{artifact}" if artifact else f"{page}?workflowType=machine_learning"
+
+
+def artifact_src(run_id: str, artifact: str) -> str:
+    """A URL, relative to :func:`ui_address`, that serves one artifact file (for images in a Markdown note)."""
+    return "get-artifact?" + urllib.parse.urlencode({"path": artifact, "run_uuid": run_id})
 
 
 def quote(value: str) -> str:
