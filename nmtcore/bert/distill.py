@@ -48,7 +48,7 @@ from torch import nn
 
 from nmtcore.bert.distilled import DistillSpec, root_dir
 from nmtcore.bert.errors import BertError
-from nmtcore.bert.quality import quality_of
+from nmtcore.bert.quality import pad_batch, quality_of
 from nmtcore.bert.resolve import BertSpec, ResolvedBert, resolve_bert
 from nmtcore.bert.text import heldout_text, text_sha256, training_text
 from nmtcore.bert.truncate import TOKENIZER_FILES
@@ -166,7 +166,7 @@ def _distill(spec: DistillSpec, recipe: Recipe, teacher_bert: ResolvedBert, line
 
         eval_batches = []
         for s in range(0, len(eval_ids), 64):
-            e_ids, e_att = _pad(eval_ids[s : s + 64], tok.pad_token_id)
+            e_ids, e_att = pad_batch(eval_ids[s : s + 64], tok.pad_token_id)
             eval_batches.append((e_ids, e_att, *_teacher_outputs(teacher, t_cap, e_ids, e_att, mapping)))
 
         def heldout() -> float:
@@ -193,7 +193,7 @@ def _distill(spec: DistillSpec, recipe: Recipe, teacher_bert: ResolvedBert, line
         distiller.train()
         t_train = time.perf_counter()
         for step, batch in enumerate(batches, start=1):
-            b_ids, b_att = _pad([ids[i] for i in batch], tok.pad_token_id)
+            b_ids, b_att = pad_batch([ids[i] for i in batch], tok.pad_token_id)
             th, tq = _teacher_outputs(teacher, t_cap, b_ids, b_att, mapping)
             mse, rel = distiller.loss(b_ids, b_att, th, tq)
             opt.zero_grad(set_to_none=True)
@@ -320,16 +320,6 @@ def _teacher_outputs(
     with torch.no_grad():
         out = teacher(input_ids=ids, attention_mask=att, output_hidden_states=True)
     return [out.hidden_states[g] for g in mapping], dict(cap.out)
-
-
-def _pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    att = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-        att[r, : len(s)] = 1
-    return ids, att
 
 
 def batch_schedule(lengths: list[int], batch_size: int, steps: int, bucket_batches: int, seed: int) -> list[list[int]]:

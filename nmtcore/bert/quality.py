@@ -133,9 +133,10 @@ def quality_of(resolved: ResolvedBert, lang: str, data: DataConfig, cache_dir: P
         hit = cached_quality(resolved, lang, cache_dir, cfg)
         if hit is not None:
             return hit
+        log.info("BERT %s: measuring its quality figure on held-out %s text (once; about a minute)", resolved.name, lang)
         q = measure(resolved, lang, data, cfg)
         atomic_write_text(path, json.dumps(asdict(q), indent=2) + "\n")
-        log.info("BERT %s quality on %s: %s (%.0f s)", resolved.spec, lang, q.describe(), q.seconds)
+        log.debug("BERT %s quality on %s measured in %.0f s", resolved.spec, lang, q.seconds)
         return q
 
 
@@ -255,7 +256,7 @@ def masked_features(
     per_sent: dict[int, torch.Tensor] = {}
     for s in range(0, len(order), batch):
         idx = order[s : s + batch]
-        x, att = _pad([masked[i] for i in idx], pad_id)
+        x, att = pad_batch([masked[i] for i in idx], pad_id)
         h = model(input_ids=x, attention_mask=att).last_hidden_state
         for r, i in enumerate(idx):
             per_sent[i] = h[r, positions[i]].float()
@@ -295,7 +296,7 @@ def token_features(
     per_sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in range(0, len(order), batch):
         idx = order[s : s + batch]
-        x, att = _pad([ids[i] for i in idx], pad_id)
+        x, att = pad_batch([ids[i] for i in idx], pad_id)
         h = model(input_ids=x, attention_mask=att).last_hidden_state
         for r, i in enumerate(idx):
             lab = torch.tensor(labels[i])
@@ -322,7 +323,8 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def _pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists → ``(input_ids, attention_mask)``, right-padded with ``pad_id`` to the longest."""
     width = max(len(s) for s in seqs)
     x = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(seqs), width), dtype=torch.long)
