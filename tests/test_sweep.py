@@ -11,6 +11,7 @@ import search_spaces
 from nmtcore import tracking
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, plan, ray_backend
+from nmtcore.sweep import ray_cluster as rayc
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid, loguniform, uniform
@@ -85,13 +86,13 @@ def test_cluster_mode_needs_a_tracking_server_and_shared_storage(ray_cluster, tm
     local = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path), address="10.0.0.1:6379",
                                                        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
     with pytest.raises(sweep_settings.SweepError, match="needs an MLflow tracking server every node can reach"):
-        ray_backend.check_cluster(local, base)
+        rayc.check_cluster(local, base)
     served = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path / "shared"),
                                                         address="10.0.0.1:6379", tracking_uri="http://127.0.0.1:1"))
-    ray_backend.check_cluster(served, base)  # one node here: it sees the storage and data paths
-    assert ray_backend.trials_that_fit(served) == 2
+    rayc.check_cluster(served, base)  # one node here: it sees the storage and data paths
+    assert rayc.trials_that_fit(served) == 2
     with pytest.raises(sweep_settings.SweepError, match="a trial needs 3 CPUs"):
-        ray_backend.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
+        rayc.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
 
 
 # ------------------------------------------------------------------------------- sweeps on Ray

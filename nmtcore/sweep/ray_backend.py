@@ -1,4 +1,5 @@
-"""The Ray backend of a sweep: the one module of nmtcore that imports Ray.
+"""The Tune side of a sweep: the search, the trials and their Ray Train workers. Ray is imported by this
+module and its two siblings only (:mod:`~nmtcore.sweep.ray_cluster`, :mod:`~nmtcore.sweep.ray_tasks`).
 
 A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore trainer inside a
 Ray Train ``TorchTrainer``::
@@ -16,18 +17,10 @@ Search algorithm: a space of grid/choice dimensions is enumerated (Tune's varian
 more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, with seeds as Tune
 ``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
 
-Where things run: by default a local Ray cluster of all cores, trials as many at once as fit
-(``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU). With ``address``
-the sweep joins an existing cluster instead, after :func:`check_cluster`. Before the trials, the work they
-share (data, BERTs, the protocol's baseline) runs as named Ray tasks on the driver's node
-(:func:`run_pre_sweep_task`: "prepare data ...", "prepare BERT ...", "train baseline ..."), so it shows in
-the dashboard, with its progress lines, a bar and an ETA on the console.
-
-Who can reach the local cluster: every Ray process of it listens on 127.0.0.1 only (GCS, raylet, workers,
-dashboard and its agents; see :func:`init_ray` for how), and the dashboard keeps Ray's token authentication
-(on by default for a cluster ``ray.init`` starts; ``RAY_AUTH_MODE=disabled`` turns it off): loopback alone
-does not keep out other users of the same machine. :func:`dashboard_access` says how to sign in (the token
-is never printed: consoles end up in logs and issues). A joined cluster keeps its own binding and auth.
+Where things run: the cluster of :mod:`nmtcore.sweep.ray_cluster` (by default a local one of all cores,
+bound to 127.0.0.1), trials as many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a
+trial's Tune actor reserves no CPU). The work the trials share runs before them as named Ray tasks
+(:mod:`nmtcore.sweep.ray_tasks`).
 
 Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
 whose loss becomes NaN/inf ends FAILED with the reason in MLflow, and Tune's retries of it end at once
@@ -39,21 +32,15 @@ Train controller died (the leak that hangs ASHA sweeps with TorchTrainer trials)
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import queue
-import re
 import shutil
-import socket
 import tempfile
-import threading
 import time
-import urllib.request
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping
 
 import optuna
 import ray
@@ -68,21 +55,12 @@ from ray.tune.search.optuna import OptunaSearch
 from nmtcore import tracking
 from nmtcore.bert import ensure_bert
 from nmtcore.checkpoint import epoch_checkpoints
-from nmtcore.config import DataConfig, ExperimentConfig
-from nmtcore.data import prepare_data
 from nmtcore.engine import (
     Callback,
     NonFiniteLossError,
     RunSummary,
     Trainer,
     run_experiment,
-)
-from nmtcore.sweep.baseline import (
-    Baseline,
-    baseline_key,
-    default_root,
-    ensure_baseline,
-    find_baseline,
 )
 from nmtcore.sweep.lifecycle import (
     FAILURE_KIND_TAG,
@@ -101,7 +79,8 @@ from nmtcore.sweep.plan import (
     trial_overrides,
     trial_point,
 )
-from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
+from nmtcore.sweep.ray_cluster import remove_leaked_placement_groups, trials_that_fit
+from nmtcore.sweep.settings import SweepSettings, is_uri
 from nmtcore.sweep.space import (
     ARM_KEY,
     CELL_KEY,
@@ -125,25 +104,12 @@ from nmtcore.sweep.trial import (
     run_name,
 )
 
-T = TypeVar("T")
-
 log = logging.getLogger("nmtcore.sweep")
 
 # The Tune trial actor only waits on its TorchTrainer: it reserves no CPU (Tune refuses an empty
 # reservation, so a little logical memory instead), and a trial's CPUs all go to its workers: 2 one-CPU
 # trials fit on 2 cores, and on two 1-CPU nodes, wherever Ray puts the trial actors.
 DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
-
-
-# Environment for every Ray process this module starts (local cluster or runtime_env when joining).
-RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
-    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "0",
-    "NMTCORE_NO_PROGRESS": "1",
-}
-
-
 
 
 def param_space(space: SearchSpace, seeds: int, base_seed: int, cells: bool | None = None) -> dict[str, Any]:
@@ -220,8 +186,6 @@ def num_samples(space: SearchSpace, settings: SweepSettings, cells: bool | None 
     return (settings.num_samples or space.num_samples) * settings.seeds
 
 
-
-
 def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     """One Tune trial: open (or re-attach) its MLflow child run, then train in a TorchTrainer."""
     overrides = trial_overrides(ctx.space, config, ctx.base_seed)
@@ -272,8 +236,6 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         raise
 
 
-
-
 class _RayReport(Callback):
     """Reports every epoch's metrics to Ray Train (rank 0 adds the epoch checkpoint), and sums the
     workers' CPU seconds at the end (all ranks take part in the all-reduce).
@@ -305,8 +267,6 @@ class _RayReport(Callback):
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         self.cpu_s = all_reduce_sum(time.process_time() - self._cpu0)
-
-
 
 
 def _train_loop(lc: dict[str, Any]) -> None:
@@ -357,8 +317,6 @@ def first_keys(metrics: Mapping[str, Any], epoch: float, metric: str) -> dict[st
     out.update((k, metrics[k]) for k in (metric, *TABLE_KEYS) if k in metrics)
     out.update((k, v) for k, v in metrics.items() if k not in out)
     return out
-
-
 
 
 def _restore_train_checkpoint(save_dir: Path) -> None:
@@ -453,242 +411,6 @@ class _SweepCallback(tune.Callback):
         self.leaked_removed += remove_leaked_placement_groups()
 
 
-def remove_leaked_placement_groups() -> int:
-    """Remove placement groups whose creating actor is dead (and that are not detached); returns how
-    many. Such a group is a Train worker group's reservation outliving its controller (a trial
-    stopped by ASHA or killed): its resources would otherwise stay reserved until the cluster ends.
-    Groups created by a driver (Tune's own trial reservations) have no creating actor and are kept."""
-    try:
-        from ray.core.generated import gcs_pb2
-        from ray.util.placement_group import (
-            PlacementGroup,
-            PlacementGroupID,
-            remove_placement_group,
-        )
-
-        table = ray.util.placement_group_table()
-        accessor = ray._private.state.state._global_state_accessor  # noqa: SLF001 - no public API has the creator
-    except Exception as e:  # pragma: no cover - depends on Ray internals
-        log.debug("placement-group check unavailable: %s", e)
-        return 0
-    removed = 0
-    for pg_hex, info in table.items():
-        if info.get("state") not in ("CREATED", "PENDING", "RESCHEDULING"):
-            continue
-        try:
-            pg_id = PlacementGroupID(bytes.fromhex(pg_hex))
-            data = gcs_pb2.PlacementGroupTableData.FromString(accessor.get_placement_group_info(pg_id))
-            creator = bytes(data.creator_actor_id)
-            if data.is_detached or not creator or set(creator) == {0xFF} or not data.creator_actor_dead:
-                continue
-            remove_placement_group(PlacementGroup(pg_id))
-            removed += 1
-            log.warning("removed leaked placement group %s %s (its creating actor died)", pg_hex, info.get("bundles"))
-        except Exception as e:  # pragma: no cover - racing with Ray's own cleanup
-            log.debug("placement group %s: %s", pg_hex, e)
-    return removed
-
-
-LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.0.0.1, every port on it
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
-             dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
-             env: Mapping[str, str] | None = None) -> str | None:
-    """Start a local Ray cluster (or join ``address``) unless this process is already connected;
-    returns the dashboard URL (``http://127.0.0.1:8265``) or None.
-
-    A local cluster is always a new one (never a ``ray start`` cluster found on the machine: joining one
-    is what ``address`` is for), single-node, and bound to 127.0.0.1 (:func:`_loopback_only`). Its
-    dashboard keeps Ray's token authentication (:func:`dashboard_access`).
-    """
-    env_vars = {**RAY_ENV, **(env or {})}
-    for k, v in env_vars.items():
-        os.environ.setdefault(k, v)
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "runtime_env": {"env_vars": env_vars},
-                                  "configure_logging": True, "logging_level": logging.WARNING}
-        if address:
-            ctx = ray.init(address=address, **kwargs)
-        else:
-            with _loopback_only():
-                ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
-                               dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
-            node_ip = (getattr(ctx, "address_info", None) or {}).get("node_ip_address", "127.0.0.1")
-            if node_ip != "127.0.0.1" and os.environ.get(LOOPBACK_VAR) != "1":
-                log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1 (this Ray version no longer "
-                            "honours %s=0): keep its token authentication on", node_ip, LOOPBACK_VAR)
-            _private_token_file()
-        url = getattr(ctx, "dashboard_url", None)
-    else:
-        url = None
-        with contextlib.suppress(Exception):
-            url = ray._private.worker.get_dashboard_url()  # noqa: SLF001
-    if url and not url.startswith("http"):
-        url = f"http://{url}"
-    return url or None
-
-
-@contextlib.contextmanager
-def _loopback_only() -> Any:
-    """While a local cluster starts: Ray's node IP is 127.0.0.1, so the GCS, the raylet, every worker and the
-    dashboard's agents listen there only (``dashboard_host`` covers the dashboard's HTTP port alone, and
-    ``_node_ip_address="127.0.0.1"`` is swapped for the routable address by Ray itself).
-
-    The one switch Ray has is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (it also makes the cluster
-    single-node, which a local cluster is). Ray reads it once, at ``import ray``, and this module is
-    imported before anyone knows whether the sweep will join a cluster (``--address``: there the driver
-    must be reachable from the other nodes). So the choice is made here, when a *local* cluster starts:
-    the variable is set for the processes ``ray.init`` spawns (they read it at their own import) and Ray's
-    constant for this process, both restored afterwards. A joined cluster is untouched, and so is a user's
-    explicit ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` (a local head other nodes may join).
-    """
-    from ray._private import ray_constants
-
-    if os.environ.get(LOOPBACK_VAR) == "1":
-        yield
-        return
-    saved_env, saved_const = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[LOOPBACK_VAR] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_const
-        if saved_env is None:
-            os.environ.pop(LOOPBACK_VAR, None)
-        else:
-            os.environ[LOOPBACK_VAR] = saved_env
-
-
-def token_source() -> tuple[str, Path | None]:
-    """Where Ray takes its auth token from, as Ray looks (``$RAY_AUTH_TOKEN``, the file in
-    ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``): (a phrase for people, the file or None)."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "$RAY_AUTH_TOKEN of the sweep's environment", None
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        path = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
-        return f"the file {path} ($RAY_AUTH_TOKEN_PATH)", path
-    path = Path.home() / ".ray" / "auth_token"
-    return f"the file {path}", path
-
-
-def _private_token_file() -> None:
-    """Ray writes a token it generates world-readable (0644); the token opens the dashboard, so 0600."""
-    if os.environ.get("RAY_AUTH_MODE") == "disabled":
-        return
-    _, path = token_source()
-    with contextlib.suppress(OSError):
-        if path is not None and path.is_file() and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
-            path.chmod(0o600)
-
-
-def dashboard_auth_mode(url: str, timeout_s: float = 3.0) -> str:
-    """``token`` or ``disabled`` as the dashboard at ``url`` says (its public ``/api/authentication_mode``),
-    or ``unknown``."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/api/authentication_mode", timeout=timeout_s) as r:
-            return str(json.loads(r.read()).get("authentication_mode", "unknown"))
-    except Exception:
-        return "unknown"
-
-
-def dashboard_access(url: str | None, local: bool) -> list[str]:
-    """Lines telling a user how to open the Ray dashboard at ``url``: where it listens and how to sign in
-    (the command and the token's file; never the token itself)."""
-    if not url:
-        return ["Ray dashboard:   (not started)"]
-    where = "local cluster, every Ray port on 127.0.0.1 only" if local else "the joined cluster's"
-    lines = [f"Ray dashboard:   {url}  ({where})"]
-    mode = dashboard_auth_mode(url)
-    source, _ = token_source()
-    if mode == "token":
-        lines += ["  sign in once:  the dashboard asks for Ray's auth token: paste what `ray get-auth-token` prints",
-                  f"                 (run where the sweep runs; the token is {source}); the browser keeps it 30 days"]
-    elif mode == "disabled":
-        lines.append("  no sign-in:    token auth is off (RAY_AUTH_MODE=disabled): anyone who reaches "
-                     f"{url.split('://', 1)[-1]} can use it" + (" (this machine only)" if local else ""))
-    else:
-        lines.append(f"  sign in:       if asked for a token, paste what `ray get-auth-token` prints ({source})")
-    return lines
-
-
-def shutdown_ray() -> None:
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-def cluster_nodes() -> list[dict[str, Any]]:
-    """Alive nodes: id, address, CPUs, GPUs."""
-    return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress"), "cpus": n["Resources"].get("CPU", 0),
-             "gpus": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
-
-
-def check_cluster(settings: SweepSettings, base: ExperimentConfig) -> None:
-    """For a sweep joining an existing cluster: MLflow must be a tracking server and trial storage
-    (and the data directory) must be visible from every node. Raises :class:`SweepError` saying what
-    to change. Call after connecting."""
-    uri = settings.tracking_uri or tracking.default_tracking_uri()
-    if not tracking.is_tracking_server(uri):
-        raise SweepError(f"cluster mode needs an MLflow tracking server every node can reach, not {uri}: start one "
-                         "(mlflow server --backend-store-uri sqlite:////shared/mlflow.db --host 0.0.0.0 --port 5000) "
-                         "and pass --tracking-uri http://<host>:5000")
-    paths = []
-    if not is_uri(settings.storage):
-        paths.append(("trial storage (--storage)", settings.storage))
-    data_dir = base.data.resolved_data_dir()
-    if data_dir is not None:
-        paths.append(("data directory (--data-dir)", str(data_dir)))
-    for what, path in paths:
-        missing = _nodes_missing(path)
-        if missing:
-            raise SweepError(f"cluster mode: {what} {path} is not visible from node(s) {', '.join(missing)}: "
-                             "use a shared filesystem path mounted on every node or a cloud URI (s3://, gs://)")
-
-
-def _nodes_missing(path: str) -> list[str]:
-    """Ids of alive nodes that do not see a marker file written under ``path`` by this process."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    Path(path).mkdir(parents=True, exist_ok=True)
-    marker = Path(path) / f".nmtcore-shared-check-{uuid.uuid4().hex}"
-    marker.write_text(socket.gethostname())
-    try:
-        @ray.remote(num_cpus=0)
-        def sees(p: str) -> bool:
-            return os.path.exists(p)
-
-        nodes = [n["node_id"] for n in cluster_nodes()]
-        refs = [sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(marker))
-                for n in nodes]
-        return [n[:12] for n, ok in zip(nodes, ray.get(refs, timeout=120)) if not ok]
-    finally:
-        marker.unlink(missing_ok=True)
-
-
-def trials_that_fit(settings: SweepSettings) -> int:
-    """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs)
-    fit on it, summed. Raises :class:`SweepError` if not even one fits."""
-    total = 0
-    biggest = {"cpus": 0.0, "gpus": 0.0}
-    per_node_cpus = settings.cpus_per_trial if settings.workers_per_trial == 1 else \
-        settings.cpus_per_trial / settings.workers_per_trial
-    for node in cluster_nodes():
-        biggest = {"cpus": max(biggest["cpus"], node["cpus"]), "gpus": max(biggest["gpus"], node["gpus"])}
-        n = int(node["cpus"] // per_node_cpus + 1e-9) if per_node_cpus else 0
-        if settings.gpus_per_trial:
-            per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
-            n = min(n, int(node["gpus"] // per_node_gpus + 1e-9))
-        total += n
-    if settings.workers_per_trial > 1:
-        total //= settings.workers_per_trial
-    if total < 1:
-        raise SweepError(f"a trial needs {settings.cpus_per_trial} CPUs and {settings.gpus_per_trial} GPUs; the "
-                         f"largest node has {biggest['cpus']:g} CPUs and {biggest['gpus']:g} GPUs "
-                         "(lower --cpus-per-trial / --gpus-per-trial)")
-    return total
-
-
 def _saved_trials(exp_dir: str) -> list[Any]:
     """Trials as Tune saved them (what a resume would continue), or [] if unreadable."""
     quiet = logging.getLogger("ray.tune")
@@ -724,19 +446,11 @@ def _replace_callbacks(tuner: tune.Tuner, callback: _SweepCallback) -> None:
     run_config.callbacks = [*others, callback]
 
 
-
-
-
-
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
-
-
 
 
 def _trial_name(trial: Any) -> str:
@@ -767,206 +481,6 @@ def _named_trainable(sweep: str) -> Callable[[dict[str, Any], SweepContext], Non
 
     trial.__name__ = trial.__qualname__ = f"trial of {sweep}"
     return trial
-
-
-# ============================================================================== pre-sweep tasks
-HEARTBEAT_S = 30.0  # a pre-sweep task silent this long gets a "still running" line on the console
-TASK_ENV_PREFIXES = ("NMTCORE_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MLFLOW_")
-_DONE = object()
-
-
-class _LineHandler(logging.Handler):
-    """Forwards ``nmtcore.*`` log records (BERT pretraining's steps...) as progress lines."""
-
-    def __init__(self, lines: queue.Queue[Any]) -> None:
-        super().__init__(logging.INFO)
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
-        self.lines.put(prefix + record.getMessage())
-
-
-@ray.remote(num_returns="streaming")
-def _pre_sweep_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], threads: int,
-                    progress_kw: str | None) -> Any:
-    """Run ``fn`` (in a thread of this Ray task) and stream ``("line", text)`` for every progress line it
-    gives (its ``progress_kw`` callback and its ``nmtcore`` log records), then ``("result", value)``."""
-    import torch
-
-    lines: queue.Queue[Any] = queue.Queue()
-    out: dict[str, Any] = {}
-    logger = logging.getLogger("nmtcore")
-    handler = _LineHandler(lines)
-    saved = (logger.level, logger.propagate, torch.get_num_threads())
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # the lines reach the driver through this stream, not twice through Ray's logs
-    logger.addHandler(handler)
-    torch.set_num_threads(max(1, threads))
-    if progress_kw:
-        kwargs = {**kwargs, progress_kw: lines.put}
-
-    def work() -> None:
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the task
-            out["error"] = e
-        finally:
-            lines.put(_DONE)
-
-    worker = threading.Thread(target=work, name="pre-sweep", daemon=True)
-    worker.start()
-    try:
-        while (item := lines.get()) is not _DONE:
-            yield ("line", item)
-    finally:
-        worker.join()
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-        torch.set_num_threads(saved[2])
-    if "error" in out:
-        raise out["error"]
-    yield ("result", out["value"])
-
-
-class PhaseProgress:
-    """The console of one long phase: its progress lines, with a bar and an ETA where a line counts units
-    of work ("step 300/1000", "epoch 2/10"), "still running" when it is silent for :data:`HEARTBEAT_S`, and
-    how long it took."""
-
-    UNIT = re.compile(r"\b(step|epoch|update)s? (\d+)/(\d+)\b")
-
-    def __init__(self, name: str, out: Callable[[str], None] | None = None) -> None:
-        self.name = name
-        self.out = out or (lambda line: print(line, flush=True))
-        self.t0 = time.monotonic()
-        self.first: dict[str, tuple[float, int]] = {}  # unit -> (time, count) when first seen
-        self.last: tuple[str, int, int] | None = None  # (unit, done, total)
-
-    def started(self, where: str) -> None:
-        self.out(f"{self.name}: started ({where})")
-
-    def line(self, text: str) -> None:
-        m = self.UNIT.search(text)
-        if m is None:
-            self.out(f"{self.name}: {text}")
-            return
-        unit, done, total = m.group(1), int(m.group(2)), int(m.group(3))
-        self.first.setdefault(unit, (time.monotonic(), done))
-        self.last = (unit, done, total)
-        eta = "" if "to go" in text else self._eta()
-        self.out(f"{self.name}: {self.bar(done, total)} {text}{eta}")
-
-    def heartbeat(self) -> None:
-        last = f"; last: {self.last[0]} {self.last[1]}/{self.last[2]}{self._eta()}" if self.last else ""
-        self.out(f"{self.name}: still running, {_duration(time.monotonic() - self.t0)} elapsed{last}")
-
-    def finished(self) -> None:
-        self.out(f"{self.name}: done in {_duration(time.monotonic() - self.t0)}")
-
-    @staticmethod
-    def bar(done: int, total: int, width: int = 20) -> str:
-        frac = min(1.0, done / total) if total else 1.0
-        full = int(round(frac * width))
-        return f"[{'#' * full}{'.' * (width - full)}] {frac:4.0%}"
-
-    def _eta(self) -> str:
-        if self.last is None:
-            return ""
-        unit, done, total = self.last
-        t_first, n_first = self.first[unit]
-        if done <= n_first or done >= total:
-            return ""
-        rate = (time.monotonic() - t_first) / (done - n_first)
-        return f" (about {_duration(rate * (total - done))} to go)"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
-def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float = 0.0,
-                       progress_kw: str | None = None, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` as a Ray task named ``name`` (so the dashboard lists it, under the sweep's
-    job), on the driver's node with its CPUs (torch threads to match) and ``gpus``, with the driver's
-    cache and hub settings; blocks until it ends, printing its progress (:class:`PhaseProgress`). Returns
-    its value; raises its exception as it was raised (a user error stays a one-line error)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = ray.get_runtime_context().get_node_id()
-    node = next((n for n in cluster_nodes() if n["node_id"] == node_id), None)
-    cpus = max(1.0, float(node["cpus"])) if node else 1.0
-    env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
-    progress = PhaseProgress(name)
-    progress.started(f"Ray task, {cpus:g} CPU{'s' if cpus != 1 else ''}" + (f", {gpus:g} GPU" if gpus else ""))
-    gen = _pre_sweep_task.options(
-        name=name, num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env},
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-    ).remote(fn, args, kwargs, int(cpus), progress_kw)
-    try:
-        while True:
-            ready, _ = ray.wait([gen], timeout=HEARTBEAT_S)
-            if not ready:
-                progress.heartbeat()
-                continue
-            try:
-                kind, value = ray.get(next(gen))
-            except StopIteration:
-                raise RuntimeError(f"{name}: the task ended without a result") from None
-            if kind == "line":
-                progress.line(str(value))
-                continue
-            progress.finished()
-            return value
-    except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, BaseException):
-            raise cause from None  # the task's own error, as the driver raised it before these were tasks
-        raise
-    except BaseException:
-        with contextlib.suppress(Exception):
-            ray.cancel(gen)
-        raise
-
-
-_DATA_CHECKSUMS: dict[str, dict[str, str]] = {}  # data section -> its checksums, prepared in this process's sweeps
-
-
-def _data_key(data: DataConfig) -> str:
-    return json.dumps(asdict(data), sort_keys=True, default=repr)
-
-
-def _prepare_data_checksums(data: DataConfig) -> dict[str, str]:
-    return dict(prepare_data(data).checksums)
-
-
-def prepare_data_task(data: DataConfig) -> dict[str, str]:
-    """Prepare a data section (read, vocabulary, encode: cached) as the task "prepare data <corpus> <src>-<tgt>";
-    returns its checksums."""
-    checksums = run_pre_sweep_task(f"prepare data {data.corpus} {data.src_lang}-{data.tgt_lang}",
-                                   _prepare_data_checksums, data)
-    _DATA_CHECKSUMS[_data_key(data)] = checksums
-    return checksums
-
-
-def ensure_bert_task(cfg: ExperimentConfig, what: str) -> ExperimentConfig:
-    """:func:`nmtcore.bert.ensure_bert` as the task "prepare BERT <what>" (made here if nothing answers:
-    minutes, with its steps on the console), with its quality figure measured once (cached) so every trial
-    using it reports what its BERT knows."""
-    return run_pre_sweep_task(f"prepare BERT {what}", ensure_bert, cfg, progress_kw="progress", quality=True)
-
-
-def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:
-    """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
-    ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one."""
-    checksums = _DATA_CHECKSUMS.get(_data_key(cfg.data)) or prepare_data_task(cfg.data)
-    key = baseline_key(cfg, checksums)
-    found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
-    node_id = ray.get_runtime_context().get_node_id()
-    gpus = next((n["gpus"] for n in cluster_nodes() if n["node_id"] == node_id), 0)
-    return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
-                              gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", **kwargs)
 
 
 # ============================================================================== the Tune run
@@ -1024,8 +538,3 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     # Tune's saved state, not the live trial objects: an interrupted run marks its running trials TERMINATED
     # in memory but saves them as unfinished, to be resumed.
     return TuneOutcome(trials=_saved_trials(exp_dir) or callback.trials, leaked_removed=callback.leaked_removed)
-
-
-def ray_is_running() -> bool:
-    """Whether this process is connected to a Ray cluster."""
-    return ray.is_initialized()
