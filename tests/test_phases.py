@@ -149,7 +149,7 @@ def make_trainer(cfg):
 
 
 def test_trainer_switches_phases_resets_optimizer_and_keeps_lr_counter(tmp_path):
-    cfg = tiny_experiment(tmp_path, **{"train.phases": PHASES, "train.max_epochs": 5, "train.average_last": 2,
+    cfg = tiny_experiment(tmp_path, **{"train.phases": PHASES, "train.max_epochs": 5, "train.average_last": 3,
                                        "train.num_threads": 1, "data.max_tokens": 2000})
     trainer = make_trainer(cfg)
     seen = []
@@ -164,6 +164,7 @@ def test_trainer_switches_phases_resets_optimizer_and_keeps_lr_counter(tmp_path)
     ups = [h["num_updates"] for h in trainer.state.history]
     assert ups[0] < ups[1] < ups[2]  # the update counter (LR schedule) carries over
     assert [h["phase"] for h in trainer.state.history] == [1.0, 2.0, 2.0]
+    # averaging asks for the last 3 epochs but stays inside the last phase (epochs 2-3): phase one is left out
     assert "epoch2.pt" in trainer.finalize_model() and "epoch1.pt" not in trainer.finalize_model()
 
 
