@@ -83,11 +83,11 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
             "p (seeds)": "ref" if is_ref else p_seeds,
             "epochs": _f(row["epochs"], 1), "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
-            "converged": "no (still improving)" if row["still_improving"] else "yes",
+            "converged": ("" if not row["n_seeds"] else "no (still improving)" if row["still_improving"] else "yes"),
             "BERT": row["bert"] or "—",
             "BERT L×H": f"{row['bert_layers']}×{row['bert_hidden']}" if row["bert_layers"] else "—",
             "BERT quality": _f(row["bert_quality"], 3),
-            "params (M)": _f((row["parameters"] or 0) / 1e6, 2), "trials": ", ".join(f"{n} {s}" for s, n in
+            "params (M)": "" if row["parameters"] is None else _f(row["parameters"] / 1e6, 2), "trials": ", ".join(f"{n} {s}" for s, n in
                                                                                     row["trials"].items()),
         })
     return out
