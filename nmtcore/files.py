@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 _SHA256_MEMO: dict[tuple[str, int, int], str] = {}
 
@@ -104,6 +104,29 @@ def atomic_directory(final: str | os.PathLike, keep_existing: bool = True) -> It
         fsync_path(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed
+
+
+def build_directory_once(final: str | os.PathLike, make: Callable[[Path], object], marker: str = "meta.json",
+                         force: bool = False) -> bool:
+    """Make the cache directory ``final`` once: ``make(tmp)`` fills a temporary directory (it must write
+    ``marker`` last) that :func:`atomic_directory` renames into place. Returns False without building when
+    ``final/marker`` exists, checked before and again under the lock ``<final>.lock`` (a concurrent builder
+    of the same directory waits, then reuses what the first made); ``force`` rebuilds and replaces it."""
+    dest = Path(final)
+    if not force and (dest / marker).is_file():
+        return False
+    with file_lock(dest.parent / f"{dest.name}.lock"):
+        if not force and (dest / marker).is_file():
+            return False
+        with atomic_directory(dest, keep_existing=not force) as tmp:
+            make(tmp)
+    return True
+
+
+def finished_directories(parent: str | os.PathLike, marker: str = "meta.json") -> list[Path]:
+    """The directories under ``parent`` that :func:`build_directory_once` finished (they hold ``marker``;
+    temporaries and locks are passed over), sorted by name."""
+    return sorted(d for d in Path(parent).glob("*") if d.is_dir() and not d.name.startswith(".") and (d / marker).is_file())
 
 
 def remove_stale_temporaries(parent: str | os.PathLike, name: str) -> int:

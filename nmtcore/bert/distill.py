@@ -53,7 +53,7 @@ from nmtcore.bert.resolve import BertSpec, ResolvedBert, resolve_bert
 from nmtcore.bert.text import heldout_text, text_sha256, training_text
 from nmtcore.bert.truncate import TOKENIZER_FILES
 from nmtcore.config import DataConfig
-from nmtcore.files import atomic_directory, file_lock, sha256_file
+from nmtcore.files import atomic_write_text, build_directory_once, sha256_file
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -102,27 +102,29 @@ def distill_bert(spec: DistillSpec, data: DataConfig, cache_dir: Path, threads: 
     text_sha = text_sha256(lines)
     teacher_sha = sha256_file(teacher.path / "model.safetensors")
     final = root_dir(cache_dir) / spec.dirname / f"{teacher_sha[:12]}-{text_sha[:12]}"
-    if (final / "meta.json").is_file():
-        return DistillResult(final, spec.name, json.loads((final / "meta.json").read_text(encoding="utf-8")), True)
-    with file_lock(final.parent / f"{final.name}.lock"):
-        if (final / "meta.json").is_file():
-            return DistillResult(final, spec.name, json.loads((final / "meta.json").read_text(encoding="utf-8")), True)
+    made: dict[str, dict] = {}
+
+    def make(tmp: Path) -> None:
         old_threads = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         try:
-            with atomic_directory(final) as tmp:
-                meta = _distill(spec, recipe, teacher, lines, eval_lines, tmp, progress or log.info)
-                meta.update(teacher_weights_sha256=teacher_sha, text_sha256=text_sha, text_sentences=len(lines),
-                            text=text.describe() if text is not None else {"sentences": len(lines), "sha256": text_sha})
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            meta = _distill(spec, recipe, teacher, lines, eval_lines, tmp, progress or log.info)
+            meta.update(teacher_weights_sha256=teacher_sha, text_sha256=text_sha, text_sentences=len(lines),
+                        text=text.describe() if text is not None else {"sentences": len(lines), "sha256": text_sha})
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            made["meta"] = meta
         finally:
             torch.set_num_threads(old_threads)
+
+    if not build_directory_once(final, make):
+        return DistillResult(final, spec.name, json.loads((final / "meta.json").read_text(encoding="utf-8")), True)
+    meta = made["meta"]
     # The held-out figure that says whether the student knows language, stored with it.
     student = resolve_bert(BertSpec(spec.name), cache_dir=cache_dir, allow_network=False)
     q = quality_of(student, "en", data, cache_dir)
     meta["quality"] = asdict(q)
-    (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(final / "meta.json", json.dumps(meta, indent=2) + "\n")
     (progress or log.info)(f"{spec.name}: held-out distillation loss {meta['heldout_loss']:.4f}; {q.describe()}")
     return DistillResult(final, spec.name, meta, False)
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 from nmtcore.bert.errors import BertError
 from nmtcore.bert.truncate import slug
+from nmtcore.files import finished_directories
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -92,7 +93,7 @@ def find_distilled(spec: DistillSpec, cache_dir: Path, fail: Callable[[str], Non
     """The directory of a finished distillation of ``spec``, or None (``fail`` hears why). If several exist
     (a different teacher copy or text), the newest wins, with a warning."""
     base = root_dir(cache_dir) / spec.dirname
-    found = sorted(d for d in base.glob("*") if d.is_dir() and not d.name.startswith(".") and (d / "meta.json").is_file())
+    found = finished_directories(base)
     if not found:
         if fail:
             fail(f"distilled here {base}: none yet (make it with `nmtcore bert-build {spec.name}`)")

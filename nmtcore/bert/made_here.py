@@ -20,7 +20,7 @@ from typing import Callable
 from nmtcore.bert.errors import BertError, PretrainError
 from nmtcore.config import DataConfig
 from nmtcore.data import DataError, corpus_file
-from nmtcore.files import sha256_file
+from nmtcore.files import finished_directories, sha256_file
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -106,7 +106,7 @@ def find_pretrained(spec: PretrainSpec, cache_dir: Path, fail: Callable[[str], N
     file as it is now wins, when that file can be found, else the newest (with a warning).
     """
     base = root_dir(cache_dir) / spec.dirname
-    found = sorted(d for d in base.glob("*") if d.is_dir() and not d.name.startswith(".") and (d / "meta.json").is_file())
+    found = finished_directories(base)
     if not found:
         if fail:
             fail(f"pretrained here {base}: none yet (make it with `{spec.command()}`)")

@@ -37,7 +37,7 @@ from nmtcore.bert.wordpiece import WordPieceEncoder
 from nmtcore.config import DataConfig
 from nmtcore.data import DataError, batch_indices, corpus_file, get_corpus, read_lines
 from nmtcore.devices import autocast, autocast_dtype
-from nmtcore.files import atomic_directory, file_lock, sha256_file
+from nmtcore.files import build_directory_once, sha256_file
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -71,23 +71,23 @@ def pretrain_bert(spec: PretrainSpec, data_cfg: DataConfig, threads: int | None 
     get_corpus(spec.corpus)
     train_path = corpus_file(cfg, "train", spec.lang)
     checksum = sha256_file(train_path)
-    base = root_dir(cfg.resolved_cache_dir()) / spec.dirname
-    final = base / checksum[:16]
-    if not force and (final / "meta.json").is_file():
-        return _cached(final, spec)
-    with file_lock(base / f"{checksum[:16]}.lock"):  # concurrent pretrainings of one BERT: the second reuses
-        if not force and (final / "meta.json").is_file():
-            return _cached(final, spec)
+    final = root_dir(cfg.resolved_cache_dir()) / spec.dirname / checksum[:16]
+    made: dict[str, dict] = {}
+
+    def make(tmp: Path) -> None:  # concurrent pretrainings of one BERT: the second reuses the first's
         threads_before = torch.get_num_threads()
         try:
             if threads:
                 torch.set_num_threads(threads)
-            with atomic_directory(final, keep_existing=False) as tmp:  # --force replaces an old result
-                with torch.random.fork_rng():  # the caller's RNG (e.g. its model init) stays untouched
-                    meta = _pretrain(spec, cfg, train_path, checksum, tmp, progress or log.info)
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+            with torch.random.fork_rng():  # the caller's RNG (e.g. its model init) stays untouched
+                made["meta"] = _pretrain(spec, cfg, train_path, checksum, tmp, progress or log.info)
+            (tmp / "meta.json").write_text(json.dumps(made["meta"], indent=1) + "\n", encoding="utf-8")
         finally:
             torch.set_num_threads(threads_before)
+
+    if not build_directory_once(final, make, force=force):  # --force replaces an old result
+        return _cached(final, spec)
+    meta = made["meta"]
     return PretrainResult(final, spec.name, meta["metrics"], cached=False)
 
 

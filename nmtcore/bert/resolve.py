@@ -351,12 +351,12 @@ def resolve_bert(spec: BertSpec, *, cache_dir: str | Path | None = None, pretrai
             hit = named(base)
             if hit is None:
                 return None
-            path = truncate.truncated_dir(cache, base, k, hit[0])
-            if not (path / "meta.json").is_file():
-                if not build:
+            if not build:
+                path = truncate.truncated_dir(cache, base, k, hit[0])
+                if not (path / "meta.json").is_file():
                     attempts.fail(f"truncation {path}: not made yet")
                     return None
-                path = truncate.truncate(base, hit[0], k, cache)
+            path = truncate.truncate(base, hit[0], k, cache)  # made once; a cheap check after
             return path, f"bottom {k} layers of {base} ({hit[1]})"
         if name.startswith(PRETRAINED_HERE):
             here = made_here.PretrainSpec.parse(name)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from nmtcore.bert.errors import BertError
-from nmtcore.files import atomic_directory, file_lock, sha256_file
+from nmtcore.files import build_directory_once, sha256_file
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -126,19 +126,20 @@ def _cached_or_built(name: str, cache_dir: Path, key: str, make: Callable[[Path]
     if not build:
         fail(f"{SOURCES[name].offline}: not yet fetched into {final}")
         return None
-    with file_lock(final.parent / f"{key}.lock"):
-        if (final / "meta.json").is_file():
-            return final
-        t0 = time.perf_counter()
+    started: list[float] = []
+
+    def announced(tmp: Path) -> dict:  # said only by the builder, under the lock
+        started.append(time.perf_counter())
         log.info("BERT %s (%s): the hub is not answering; making it from %s (once, into %s)", name,
                  SOURCES[name].title, SOURCES[name].offline, final)
-        try:
-            with atomic_directory(final) as tmp:
-                make(tmp)
-        except BertError as e:
-            fail(f"{SOURCES[name].offline}: {e}")
-            return None
-        log.info("BERT %s ready in %.0f s", name, time.perf_counter() - t0)
+        return make(tmp)
+
+    try:
+        if build_directory_once(final, announced):
+            log.info("BERT %s ready in %.0f s", name, time.perf_counter() - started[0])
+    except BertError as e:
+        fail(f"{SOURCES[name].offline}: {e}")
+        return None
     return final
 
 

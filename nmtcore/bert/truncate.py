@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from nmtcore.bert.errors import BertError
-from nmtcore.files import atomic_directory, file_lock, sha256_file
+from nmtcore.files import build_directory_once, sha256_file
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -72,16 +72,15 @@ def truncate(source: str, source_dir: Path, k: int, cache_dir: Path) -> Path:
     if not 1 <= k <= n_layers:
         raise BertError(f"BERT {source}:L{k}: {source} has {n_layers} layers, so k must be in 1..{n_layers}")
     final = truncated_dir(cache_dir, source, k, source_dir)
-    if (final / "meta.json").is_file():
-        return final
-    with file_lock(final.parent / f"{final.name}.lock"):
-        if (final / "meta.json").is_file():
-            return final
-        t0 = time.perf_counter()
-        with atomic_directory(final) as tmp:
-            _write(source, source_dir, config, k, n_layers, tmp)
+    started: list[float] = []
+
+    def write(tmp: Path) -> None:
+        started.append(time.perf_counter())
+        _write(source, source_dir, config, k, n_layers, tmp)
+
+    if build_directory_once(final, write):
         log.info("BERT %s:L%d: bottom %d of %d layers copied in %.1f s -> %s", source, k, k, n_layers,
-                 time.perf_counter() - t0, final)
+                 time.perf_counter() - started[0], final)
     return final
 
 
