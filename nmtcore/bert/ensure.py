@@ -9,9 +9,11 @@ from typing import Any, Callable
 
 from nmtcore.bert import distill, made_here, pretrain
 from nmtcore.bert.distilled import DistillSpec
+from nmtcore.bert.quality import quality_of
 from nmtcore.bert.resolve import (DISTILLED, PRETRAINED_HERE, BertNotFoundError, BertSpec, ResolvedBert,
                                   offline_for_size, resolve_bert)
 from nmtcore.config import BertConfig, DataConfig, ExperimentConfig
+from nmtcore.data import DataError
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -73,9 +75,6 @@ def ensure_bert(cfg: ExperimentConfig, threads: int | None = None, progress: Cal
         return cfg
     resolved = build_bert(bc, cfg.data, threads=threads, progress=progress)
     if quality:
-        from nmtcore.bert.quality import quality_of
-        from nmtcore.data import DataError
-
         try:
             q = quality_of(resolved, cfg.data.src_lang, replace(cfg.data, download=False), Path(bc.cache_dir))
             (progress or log.info)(f"BERT {resolved.name}: {q.describe()}")

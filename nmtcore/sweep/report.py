@@ -87,8 +87,8 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "BERT": row["bert"] or "—",
             "BERT L×H": f"{row['bert_layers']}×{row['bert_hidden']}" if row["bert_layers"] else "—",
             "BERT quality": _f(row["bert_quality"], 3),
-            "params (M)": "" if row["parameters"] is None else _f(row["parameters"] / 1e6, 2), "trials": ", ".join(f"{n} {s}" for s, n in
-                                                                                    row["trials"].items()),
+            "params (M)": "" if row["parameters"] is None else _f(row["parameters"] / 1e6, 2),
+            "trials": ", ".join(f"{n} {s}" for s, n in row["trials"].items()),
         })
     return out
 

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from nmtcore.bert import bert_layers
+from nmtcore.bert.quality import cached_quality
 from nmtcore.engine import Callback
 from nmtcore.tracking.provenance import provenance_tags
 from nmtcore.tracking.store import Tracker
@@ -18,16 +20,13 @@ if TYPE_CHECKING:
 def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
     """What the run's BERT is: its name, where it was found, its size and type, and its quality figure on
     held-out text of the source language (:mod:`nmtcore.bert.quality`) when it has been measured."""
-    from nmtcore.bert import bert_layers
-    from nmtcore.bert.quality import cached_quality
-
     layers = bert_layers(model)
     if not layers:
         return {}
     bl = layers[0]
     r = bl.resolved
-    tags = {"nmtcore.bert": str(r.spec), "nmtcore.bert_resolved": r.name, "nmtcore.bert_source": r.source, "nmtcore.bert_path": str(r.path),
-            "nmtcore.bert_layers": str(bl.num_layers), "nmtcore.bert_hidden": str(bl.hidden_size),
+    tags = {"nmtcore.bert": str(r.spec), "nmtcore.bert_resolved": r.name, "nmtcore.bert_source": r.source,
+            "nmtcore.bert_path": str(r.path), "nmtcore.bert_layers": str(bl.num_layers), "nmtcore.bert_hidden": str(bl.hidden_size),
             "nmtcore.bert_type": bl.model_type}
     try:
         q = cached_quality(r, cfg.data.src_lang, Path(bl.cfg.cache_dir or cfg.data.resolved_cache_dir()))
