@@ -5,6 +5,8 @@ completes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import search_spaces
@@ -12,6 +14,7 @@ from nmtcore import tracking
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, plan, ray_backend
 from nmtcore.sweep import ray_cluster as rayc
+from nmtcore.sweep import ray_tasks as rayt
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid, loguniform, uniform
@@ -95,11 +98,72 @@ def test_cluster_mode_needs_a_tracking_server_and_shared_storage(ray_cluster, tm
         rayc.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
 
 
+# ------------------------------------------------------------------------------- the console
+def test_trials_console_says_each_step_and_where_every_trial_stands_when_silent(monkeypatch):
+    from types import SimpleNamespace as T
+
+    clock = [1000.0]
+    monkeypatch.setattr(ray_backend.time, "monotonic", lambda: clock[0])
+    lines: list[str] = []
+    console = ray_backend._TrialsConsole(lambda t: t.name, "valid_bleu", 3, out=lines.append, heartbeat_s=30)
+    a = T(trial_id="a", name="control seed 1", status="RUNNING", last_result={})
+    b = T(trial_id="b", name="L2-H384 seed 1", status="PENDING", last_result={})
+    console.on_trial_start(0, [a, b], a)
+    clock[0] += 29
+    console.on_step_end(1, [a, b])
+    assert len(lines) == 1  # not silent long enough yet
+    clock[0] += 1
+    console.on_step_end(2, [a, b])
+    assert lines[-1] == "trials: 1 running, 1 pending · control seed 1 epoch 0/3, 30 s"
+    clock[0] += 570
+    a.last_result = {"epoch": 1.0, "valid_bleu": 33.214}
+    console.on_trial_result(3, [a, b], a, a.last_result)
+    assert lines[-1] == "trial control seed 1: [#######.............]  33% epoch 1/3 valid_bleu 33.21 (10.0 min so far)"
+    console.on_step_end(4, [a, b])
+    assert len(lines) == 3  # the result line reset the silence
+    b.status, b.last_result = "RUNNING", {"epoch": 1.0}
+    console.on_trial_start(5, [a, b], b)
+    assert lines[-1] == "trial L2-H384 seed 1: started (resumes after epoch 1)"
+    a.status = "TERMINATED"
+    console.on_trial_complete(6, [a, b], a)
+    assert lines[-1] == "trial control seed 1: stopped by the scheduler after epoch 1 in 10.0 min"
+    console.on_trial_error(7, [a, b], b)
+    assert lines[-1].startswith("trial L2-H384 seed 1: FAILED after epoch 1 (0 s)")
+    b.status = "ERROR"
+    assert console.standing([a, b]) == "trials: 1 done, 1 failed"
+
+
+def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(rayt.time, "monotonic", lambda: clock[0])
+    lines: list[str] = []
+    phase = rayt.PhaseProgress("train baseline x", out=lines.append)
+    phase.line("loading data")
+    assert lines[-1] == "train baseline x: loading data"
+    phase.line("epoch 1/10 valid_loss 5.1")
+    assert lines[-1] == "train baseline x: [##..................]  10% epoch 1/10 valid_loss 5.1"
+    clock[0] = 300.0
+    phase.line("epoch 3/10 valid_loss 4.6")  # 2 epochs in 300 s: 7 to go, 1050 s
+    assert lines[-1].endswith("epoch 3/10 valid_loss 4.6 (about 17.5 min to go)")
+    clock[0] = 340.0
+    phase.heartbeat()
+    assert lines[-1] == "train baseline x: still running, 5.7 min elapsed; last: epoch 3/10 (about 16.8 min to go)"
+    phase.finished()
+    assert lines[-1] == "train baseline x: done in 5.7 min"
+
+
 # ------------------------------------------------------------------------------- sweeps on Ray
-def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tmp_path):
+def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tmp_path, capsys):
     space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
     result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "smoke", store), log_to_driver=False)
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED", "TERMINATED"]
+    # The console followed each trial, every line stamped: started, each epoch with its bar, finished.
+    console = [line for line in capsys.readouterr().out.splitlines() if " trial " in line]
+    for arm in ("d_model=32", "d_model=64"):
+        mine = [line for line in console if arm in line]
+        assert [w for w in ("started", "epoch 1/2", "epoch 2/2", "finished in") if any(w in x for x in mine)] == \
+            ["started", "epoch 1/2", "epoch 2/2", "finished in"], console
+    assert all(re.match(r"\d\d:\d\d:\d\d trial ", line) for line in console), console
 
     parents, children = runs_of("smoke", store)
     assert len(parents) == 1 and len(children) == 2

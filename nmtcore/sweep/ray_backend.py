@@ -80,6 +80,7 @@ from nmtcore.sweep.plan import (
     trial_point,
 )
 from nmtcore.sweep.ray_cluster import remove_leaked_placement_groups, trials_that_fit
+from nmtcore.sweep.ray_tasks import HEARTBEAT_S, PhaseProgress, console_line, duration
 from nmtcore.sweep.settings import SweepSettings, is_uri
 from nmtcore.sweep.space import (
     ARM_KEY,
@@ -411,6 +412,70 @@ class _SweepCallback(tune.Callback):
         self.leaked_removed += remove_leaked_placement_groups()
 
 
+class _TrialsConsole(tune.Callback):
+    """The console of the trial phase, one timestamped line at a time: a trial started; each epoch it reports
+    (a bar over the sweep's epochs, the metric, how long the trial has run); how it ended; and, whenever the
+    console has been silent for :data:`~nmtcore.sweep.ray_tasks.HEARTBEAT_S`, where every trial stands (Tune's
+    own status table is not printed when the output is not a terminal, and an epoch can take many minutes)."""
+
+    def __init__(self, name_of: Callable[[Any], str], metric: str, max_epochs: int,
+                 out: Callable[[str], None] | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.name_of, self.metric, self.max_epochs = name_of, metric, max_epochs
+        self.out = out or console_line
+        self.heartbeat_s = heartbeat_s
+        self.started: dict[str, float] = {}
+        self._last_line = time.monotonic()
+
+    def _say(self, text: str) -> None:
+        self.out(text)
+        self._last_line = time.monotonic()
+
+    def _epoch(self, trial: Any) -> int:
+        return int((trial.last_result or {}).get("epoch") or 0)
+
+    def _ran(self, trial: Any) -> str:
+        t0 = self.started.get(trial.trial_id)
+        return "" if t0 is None else duration(time.monotonic() - t0)
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.started.setdefault(trial.trial_id, time.monotonic())
+        epoch = self._epoch(trial)
+        self._say(f"trial {self.name_of(trial)}: started" + (f" (resumes after epoch {epoch})" if epoch else ""))
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
+        epoch = int(result.get("epoch") or 0)
+        value = result.get(self.metric)
+        shown = f" {self.metric} {value:.2f}" if isinstance(value, (int, float)) else ""
+        self._say(f"trial {self.name_of(trial)}: {PhaseProgress.bar(epoch, self.max_epochs)} "
+                  f"epoch {epoch}/{self.max_epochs}{shown} ({self._ran(trial)} so far)")
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        epoch = self._epoch(trial)
+        how = "finished" if epoch >= self.max_epochs else f"stopped by the scheduler after epoch {epoch}"
+        self._say(f"trial {self.name_of(trial)}: {how} in {self._ran(trial)}")
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._say(f"trial {self.name_of(trial)}: FAILED after epoch {self._epoch(trial)} ({self._ran(trial)}); "
+                  "Tune retries it from its last checkpoint while it has retries left")
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if time.monotonic() - self._last_line >= self.heartbeat_s:
+            self._say(self.standing(trials))
+
+    def standing(self, trials: list[Any]) -> str:
+        """``trials: 2 running, 1 pending, 1 done · L2-H384 seed 1 epoch 1/3, 12.5 min; …``"""
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        words = {"RUNNING": "running", "PENDING": "pending", "PAUSED": "paused", "TERMINATED": "done",
+                 "ERROR": "failed"}
+        head = ", ".join(f"{n} {words.get(status, status.lower())}" for status, n in counts.items())
+        running = "; ".join(f"{self.name_of(t)} epoch {self._epoch(t)}/{self.max_epochs}, {self._ran(t)}"
+                            for t in trials if t.status == "RUNNING")
+        return f"trials: {head or 'none yet'}" + (f" · {running}" if running else "")
+
+
 def _saved_trials(exp_dir: str) -> list[Any]:
     """Trials as Tune saved them (what a resume would continue), or [] if unreadable."""
     quiet = logging.getLogger("ray.tune")
@@ -436,14 +501,14 @@ def _set_concurrency(tuner: tune.Tuner, n: int) -> None:
         tune_config.max_concurrent_trials = n
 
 
-def _replace_callbacks(tuner: tune.Tuner, callback: _SweepCallback) -> None:
+def _replace_callbacks(tuner: tune.Tuner, ours: list[tune.Callback]) -> None:
     internal = getattr(tuner, "_local_tuner", None)
     run_config = getattr(internal, "_run_config", None) if internal is not None else None
     if run_config is None:  # pragma: no cover - Ray internals moved
-        log.warning("could not re-install the sweep callback on the restored Tuner")
+        log.warning("could not re-install the sweep callbacks on the restored Tuner")
         return
-    others = [c for c in (run_config.callbacks or []) if not isinstance(c, _SweepCallback)]
-    run_config.callbacks = [*others, callback]
+    others = [c for c in (run_config.callbacks or []) if not isinstance(c, (_SweepCallback, _TrialsConsole))]
+    run_config.callbacks = [*others, *ours]
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -506,6 +571,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
         log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)
     max_concurrent = min(settings.max_concurrent or fits, fits)
     callback = _SweepCallback(ctx, on_trial_end)
+    console = _TrialsConsole(_TrialNames(space, ctx.base_seed), space.metric, max_epochs)
     trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx), DRIVER_RESOURCES)
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
     name = Path(exp_dir).name
@@ -514,7 +580,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
                                    resume_errored=False, restart_errored=False)
         # A restored Tuner keeps the callbacks and limits it was created with (pickled); ours must be live,
         # and the concurrency must fit the cluster the sweep resumes on.
-        _replace_callbacks(tuner, callback)
+        _replace_callbacks(tuner, [callback, console])
         _set_concurrency(tuner, max_concurrent)
     else:
         tuner = tune.Tuner(
@@ -531,7 +597,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
             run_config=tune.RunConfig(name=name, storage_path=str(Path(exp_dir).parent) if not is_uri(exp_dir)
                                       else exp_dir.rsplit("/", 1)[0],
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),
-                                      callbacks=[callback], verbose=settings.verbose))
+                                      callbacks=[callback, console], verbose=settings.verbose))
     if before_fit is not None:
         before_fit()
     tuner.fit()

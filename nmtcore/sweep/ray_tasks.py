@@ -100,10 +100,11 @@ class PhaseProgress:
 
     def __init__(self, name: str, out: Callable[[str], None] | None = None) -> None:
         self.name = name
-        self.out = out or (lambda line: print(line, flush=True))
+        self.out = out or console_line
         self.t0 = time.monotonic()
         self.first: dict[str, tuple[float, int]] = {}  # unit -> (time, count) when first seen
         self.last: tuple[str, int, int] | None = None  # (unit, done, total)
+        self.t_last = self.t0  # when ``last`` was seen
 
     def started(self, where: str) -> None:
         self.out(f"{self.name}: started ({where})")
@@ -116,15 +117,16 @@ class PhaseProgress:
         unit, done, total = m.group(1), int(m.group(2)), int(m.group(3))
         self.first.setdefault(unit, (time.monotonic(), done))
         self.last = (unit, done, total)
+        self.t_last = time.monotonic()
         eta = "" if "to go" in text else self._eta()
         self.out(f"{self.name}: {self.bar(done, total)} {text}{eta}")
 
     def heartbeat(self) -> None:
         last = f"; last: {self.last[0]} {self.last[1]}/{self.last[2]}{self._eta()}" if self.last else ""
-        self.out(f"{self.name}: still running, {_duration(time.monotonic() - self.t0)} elapsed{last}")
+        self.out(f"{self.name}: still running, {duration(time.monotonic() - self.t0)} elapsed{last}")
 
     def finished(self) -> None:
-        self.out(f"{self.name}: done in {_duration(time.monotonic() - self.t0)}")
+        self.out(f"{self.name}: done in {duration(time.monotonic() - self.t0)}")
 
     @staticmethod
     def bar(done: int, total: int, width: int = 20) -> str:
@@ -139,11 +141,18 @@ class PhaseProgress:
         t_first, n_first = self.first[unit]
         if done <= n_first or done >= total:
             return ""
-        rate = (time.monotonic() - t_first) / (done - n_first)
-        return f" (about {_duration(rate * (total - done))} to go)"
+        rate = (self.t_last - t_first) / (done - n_first)  # per unit, between the first and the last line
+        left = max(0.0, rate * (total - done) - (time.monotonic() - self.t_last))
+        return f" (about {duration(left)} to go)"
 
 
-def _duration(seconds: float) -> str:
+def console_line(text: str) -> None:
+    """One line of a sweep's console, stamped with the wall-clock time (so a log shows where time went)."""
+    print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``12.5 min``: how long something took or will take, as the console says it."""
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
