@@ -41,16 +41,12 @@ from nmtcore.tracking.store import (
     MODEL_TRAINING_KIND,
     NOTE_TAG,
     SHARED_VIEW_PREFIX,
-    artifact_src,
-    compare_url,
-    experiment_url,
     get_experiment_tags,
     quote,
-    run_url,
     set_experiment_tags,
     set_shared_view,
-    ui_address,
 )
+from nmtcore.tracking.uri import artifact_src, compare_url, experiment_url, run_url, ui_address
 
 SWEEP_TAG = "nmtcore.sweep"  # the sweep's name, on the parent and on every child
 ROLE_TAG = "nmtcore.role"  # "sweep" or "trial"

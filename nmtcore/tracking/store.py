@@ -34,7 +34,6 @@ import os
 import tempfile
 import threading
 import time
-import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -489,41 +488,6 @@ def set_shared_view(experiment_id: str, key: str, state: Mapping[str, Any],
     if len(text) > MAX_TAG_VAL_LENGTH:
         raise ValueError(f"shared view {key!r} is too large for an MLflow tag ({len(text)} characters)")
     set_experiment_tags(experiment_id, {SHARED_VIEW_PREFIX + key: text}, tracking_uri)
-
-
-def ui_address(tracking_uri: str, port: int = 5000) -> str:
-    """Where a browser finds the MLflow UI of ``tracking_uri``: the server itself, or the local ``mlflow ui``
-    that :func:`~nmtcore.tracking.uri.ui_command` starts (127.0.0.1, ``port``)."""
-    if tracking_uri.split("://", 1)[0].lower() in ("http", "https"):
-        return tracking_uri.rstrip("/")
-    return f"http://127.0.0.1:{port}"
-
-
-def experiment_url(experiment_id: str, view: str | None = None, charts: bool = False) -> str:
-    """The UI route (``#/...``, relative to :func:`ui_address`) of an experiment's runs table, as a model
-    training experiment (MLflow 3.17 opens every experiment on its GenAI overview unless the URL says
-    ``workflowType=machine_learning``), with the shared view ``view`` and its charts if asked."""
-    query = {**({"viewStateShareKey": view} if view else {}), **({"compareRunsMode": "CHART"} if charts else {}),
-             "workflowType": "machine_learning"}
-    return f"#/experiments/{experiment_id}/runs?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
-
-
-def compare_url(experiment_id: str, run_ids: list[str]) -> str:
-    """The UI route of the compare view of ``run_ids`` (params, metrics and plots side by side)."""
-    runs = urllib.parse.quote(json.dumps(list(run_ids), separators=(",", ":")))
-    return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
-
-
-def run_url(experiment_id: str, run_id: str, artifact: str | None = None) -> str:
-    """The UI route of a run's page (as a model-training run), or of one of its artifacts (rendered: images,
-    Markdown, HTML...)."""
-    page = f"#/experiments/{experiment_id}/runs/{run_id}"
-    return f"{page}/artifacts/{artifact}" if artifact else f"{page}?workflowType=machine_learning"
-
-
-def artifact_src(run_id: str, artifact: str) -> str:
-    """A URL, relative to :func:`ui_address`, that serves one artifact file (for images in a Markdown note)."""
-    return "get-artifact?" + urllib.parse.urlencode({"path": artifact, "run_uuid": run_id})
 
 
 def quote(value: str) -> str:

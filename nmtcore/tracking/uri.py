@@ -1,4 +1,5 @@
-"""Where runs are stored, resolved the same way in every process (no MLflow import here).
+"""Where runs are stored, resolved the same way in every process, and where a browser finds them in the MLflow
+UI (no MLflow import here).
 
 :func:`default_tracking_uri`: ``$MLFLOW_TRACKING_URI`` if set, else a sqlite database
 ``$NMTCORE_HOME/mlflow.db``, else ``./mlruns-nmtcore/mlflow.db`` resolved against the current directory.
@@ -8,7 +9,9 @@ trial running in its own working directory then silently writes a fresh empty da
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.parse
 from pathlib import Path
 
 from nmtcore.tracking.errors import TrackingError, one_line
@@ -86,3 +89,39 @@ def ui_command(tracking_uri: str, port: int = 5000) -> str:
         return f"open {tracking_uri}"
     return (f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {tracking_uri} "
             f"--host 127.0.0.1 --port {port} --workers 1")
+
+
+# ------------------------------------------------------------------------ the MLflow UI's addresses
+def ui_address(tracking_uri: str, port: int = 5000) -> str:
+    """Where a browser finds the MLflow UI of ``tracking_uri``: the server itself, or the local ``mlflow ui``
+    that :func:`~nmtcore.tracking.uri.ui_command` starts (127.0.0.1, ``port``)."""
+    if tracking_uri.split("://", 1)[0].lower() in ("http", "https"):
+        return tracking_uri.rstrip("/")
+    return f"http://127.0.0.1:{port}"
+
+
+def experiment_url(experiment_id: str, view: str | None = None, charts: bool = False) -> str:
+    """The UI route (``#/...``, relative to :func:`ui_address`) of an experiment's runs table, as a model
+    training experiment (MLflow 3.17 opens every experiment on its GenAI overview unless the URL says
+    ``workflowType=machine_learning``), with the shared view ``view`` and its charts if asked."""
+    query = {**({"viewStateShareKey": view} if view else {}), **({"compareRunsMode": "CHART"} if charts else {}),
+             "workflowType": "machine_learning"}
+    return f"#/experiments/{experiment_id}/runs?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
+
+
+def compare_url(experiment_id: str, run_ids: list[str]) -> str:
+    """The UI route of the compare view of ``run_ids`` (params, metrics and plots side by side)."""
+    runs = urllib.parse.quote(json.dumps(list(run_ids), separators=(",", ":")))
+    return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
+
+
+def run_url(experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+    """The UI route of a run's page (as a model-training run), or of one of its artifacts (rendered: images,
+    Markdown, HTML...)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{page}/artifacts/{artifact}" if artifact else f"{page}?workflowType=machine_learning"
+
+
+def artifact_src(run_id: str, artifact: str) -> str:
+    """A URL, relative to :func:`ui_address`, that serves one artifact file (for images in a Markdown note)."""
+    return "get-artifact?" + urllib.parse.urlencode({"path": artifact, "run_uuid": run_id})
