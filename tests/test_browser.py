@@ -107,7 +107,7 @@ def stop(proc: subprocess.Popen) -> None:
 def mlflow_ui(uri: str, log: Path):
     """``mlflow ui`` on ``uri`` (the sweep's printed command, on a free port); yields its address."""
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "ui", "--backend-store-uri", uri,
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})

@@ -24,8 +24,10 @@ from nmtcore.testing.synthetic import tiny_experiment
 from search_spaces import SearchSpace, grid
 
 pytestmark = pytest.mark.slow
-RAY = str(Path(sys.executable).with_name("ray"))
-MLFLOW = str(Path(sys.executable).with_name("mlflow"))
+# The CLIs as modules of this interpreter: a virtual environment on top of the system's packages has no
+# ``ray``/``mlflow`` scripts of its own next to its python.
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+MLFLOW = [sys.executable, "-m", "mlflow"]
 
 
 def free_port() -> int:
@@ -68,14 +70,14 @@ def cluster(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     gcs = free_port()
     common = ["--num-cpus", "1", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    procs = [start([RAY, "start", "--head", "--port", str(gcs), "--temp-dir", temp_dir, "--include-dashboard",
+    procs = [start([*RAY, "start", "--head", "--port", str(gcs), "--temp-dir", temp_dir, "--include-dashboard",
                     "false", "--ray-client-server-port", str(free_port()), *common], tmp / "head.log")]
     address = f"127.0.0.1:{gcs}"
-    wait_for(lambda: subprocess.run([RAY, "status", "--address", address], capture_output=True).returncode == 0,
+    wait_for(lambda: subprocess.run([*RAY, "status", "--address", address], capture_output=True).returncode == 0,
              "ray head")
-    procs.append(start([RAY, "start", "--address", address, *common], tmp / "worker.log"))
+    procs.append(start([*RAY, "start", "--address", address, *common], tmp / "worker.log"))
     port = free_port()
-    procs.append(start([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
+    procs.append(start([*MLFLOW, "server", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
                         "--default-artifact-root", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port",
                         str(port), "--workers", "1"], tmp / "mlflow.log",
                        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}))

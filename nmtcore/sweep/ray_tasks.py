@@ -25,7 +25,7 @@ from nmtcore.bert import ensure_bert
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
-from nmtcore.sweep.ray_cluster import cluster_nodes
+from nmtcore.sweep.ray_cluster import cluster_nodes, remove_leaked_placement_groups
 
 T = TypeVar("T")
 
@@ -167,13 +167,18 @@ def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float 
     node_id = ray.get_runtime_context().get_node_id()
     node = next((n for n in cluster_nodes() if n["node_id"] == node_id), None)
     cpus = max(1.0, float(node["cpus"])) if node else 1.0
+    # Reserve the node's CPUs, or what is free of them: a reservation another sweep of this process left
+    # behind (a stopped trial's worker group) must not make this task wait forever for CPUs that never free.
+    remove_leaked_placement_groups()
+    reserve = max(1.0, min(cpus, float(int(ray.available_resources().get("CPU", 0.0)))))
     env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
     progress = PhaseProgress(name)
-    progress.started(f"Ray task, {cpus:g} CPU{'s' if cpus != 1 else ''}" + (f", {gpus:g} GPU" if gpus else ""))
+    progress.started(f"Ray task, {reserve:g} CPU{'s' if reserve != 1 else ''}" + (f", {gpus:g} GPU" if gpus else "")
+                     + (f" ({cpus - reserve:g} of the node's held by others)" if reserve < cpus else ""))
     gen = _pre_sweep_task.options(
-        name=name, num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env},
+        name=name, num_cpus=reserve, num_gpus=gpus, runtime_env={"env_vars": env},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-    ).remote(fn, args, kwargs, int(cpus), progress_kw)
+    ).remote(fn, args, kwargs, int(reserve), progress_kw)
     try:
         while True:
             ready, _ = ray.wait([gen], timeout=HEARTBEAT_S)
