@@ -228,7 +228,8 @@ def test_protocol_baseline_is_trained_once_for_two_sweeps_and_a_resume(ray_clust
     from nmtcore.sweep import baseline as baseline_store
     from nmtcore.sweep.space import Protocol
 
-    space = SearchSpace("protocol", "t", "transformer", params={"model.dropout": grid((0.0, 0.2))},
+    # Both arms differ from the control (the base has dropout 0.0: an arm equal to the control is refused).
+    space = SearchSpace("protocol", "t", "transformer", params={"model.dropout": grid((0.1, 0.2))},
                         protocol=Protocol())
     base = tiny_base(tmp_path)
     root = tmp_path / "baselines"
