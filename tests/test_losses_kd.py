@@ -135,3 +135,43 @@ def test_cli_train_with_kd(tmp_path, bert_dir, capsys) -> None:
                "train.kd_alpha=0.9"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "train.kd_alpha: 0.9 < 1 needs a BERT teacher" in err
+
+
+def _reference_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, eps: float, pad: int):
+    """fairseq's label_smoothed_nll_loss, written out with generic ops (the fused loss must equal it)."""
+    keep = target.ne(pad)
+    lprobs = torch.log_softmax(logits[keep].double(), dim=-1)
+    nll = -lprobs.gather(1, target[keep][:, None]).squeeze(1)
+    eps_i = eps / (lprobs.size(-1) - 1)
+    loss = (1.0 - eps - eps_i) * nll + eps_i * -lprobs.sum(-1)
+    return loss.sum(), nll.sum()
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_fused_smoothed_loss_matches_fairseqs_formula_in_value_and_gradient(eps: float) -> None:
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 50) * 4).requires_grad_()
+    target = torch.randint(1, 50, (3, 7))
+    target[0, 5:] = 0  # padding rows: no loss, no gradient
+    target[2, 2:] = 0
+    lo = label_smoothed_nll(logits, target, eps, pad_id=0)
+    ref_loss, ref_nll = _reference_smoothed_nll(logits, target, eps, 0)
+    assert lo.n_tokens == int(target.ne(0).sum()) == 14
+    assert lo.loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert lo.nll.item() == pytest.approx(ref_nll.item(), rel=1e-5)
+    (grad,) = torch.autograd.grad(lo.loss * 0.37, logits)
+    (ref_grad,) = torch.autograd.grad(ref_loss * 0.37, logits)
+    torch.testing.assert_close(grad, ref_grad.float(), rtol=1e-5, atol=1e-6)
+    assert grad[0, 5:].abs().sum() == 0 and grad[2, 2:].abs().sum() == 0
+
+
+def test_fused_smoothed_loss_takes_bf16_logits_and_returns_a_bf16_gradient() -> None:
+    torch.manual_seed(1)
+    logits32 = torch.randn(2, 4, 30)
+    target = torch.randint(1, 30, (2, 4))
+    logits = logits32.to(torch.bfloat16).requires_grad_()
+    lo = label_smoothed_nll(logits, target, 0.1, pad_id=0)
+    ref, _ = _reference_smoothed_nll(logits.detach().float(), target, 0.1, 0)
+    assert lo.loss.dtype == torch.float32 and lo.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    lo.loss.backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16

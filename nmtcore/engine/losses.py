@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
+import torch
 from torch import Tensor
 
 from nmtcore.config import ConfigError, TrainConfig, check_unit_interval
@@ -35,21 +35,47 @@ class LossOut:
     kd: Tensor | None = None
 
 
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """fairseq's label-smoothed cross-entropy over rows of logits, fused by hand. Forward keeps one (M, V)
+    buffer, the log-probabilities; backward turns that buffer in place into the gradient
+    ``w·(softmax − (1 − ε − ε_i)·onehot − ε_i)`` (``w`` = the upstream gradient, 0 on padding rows). With
+    the generic ops (select the non-pad rows, log_softmax, gather, and their backwards) the loss of a
+    3+3 / d 256 model over an 8k vocabulary took ~40% of a CPU training step: each op allocated,
+    zero-filled or copied another (N, V) fp32 tensor. A second backward through the same graph is refused
+    (the buffer is spent), which training never does."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, keep: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
+        nll = lprobs.gather(1, target[:, None]).squeeze(1).neg_().masked_fill_(~keep, 0.0)  # (M,)
+        smooth = lprobs.sum(dim=-1).neg_().masked_fill_(~keep, 0.0)  # Σ_v −log p_v, (M,)
+        eps_i = epsilon / (lprobs.size(-1) - 1)
+        loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+        ctx.save_for_backward(lprobs, target, keep)
+        ctx.epsilon, ctx.eps_i, ctx.dtype = epsilon, eps_i, logits.dtype
+        ctx.mark_non_differentiable(nll)
+        return loss.sum(), nll.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor | None, None, None, None]:
+        lprobs, target, keep = ctx.saved_tensors
+        w = keep.to(torch.float32) * grad_loss  # (M,)
+        grad = lprobs.exp_().sub_(ctx.eps_i).mul_(w[:, None])  # in place: softmax − ε_i, weighted
+        grad.scatter_add_(1, target[:, None], (-(1.0 - ctx.epsilon - ctx.eps_i) * w)[:, None])
+        return grad.to(ctx.dtype), None, None, None
+
+
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> LossOut:
     """Label-smoothed cross-entropy with fairseq's semantics.
 
     ``loss = (1 - ε - ε_i)·nll + ε_i·Σ_v −log p_v`` with ``ε_i = ε / (V − 1)``, summed over non-pad
-    positions. Only non-pad positions go through the log-softmax (padding costs nothing here).
-    logits: (B, T, V) any float dtype; target: (B, T).
+    positions (padding rows contribute nothing, forward or backward). logits: (B, T, V) any float dtype,
+    computed in fp32; target: (B, T).
     """
     keep = target.ne(pad_id)  # (B, T)
-    lprobs = F.log_softmax(logits[keep].float(), dim=-1)  # (N, V)
-    gold = target[keep]  # (N,)
-    nll = -lprobs.gather(1, gold[:, None]).squeeze(1)  # (N,)
-    smooth = -lprobs.sum(dim=-1)  # (N,)
-    eps_i = epsilon / (lprobs.size(-1) - 1)
-    loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
-    return LossOut(loss=loss.sum(), nll=nll.sum(), n_tokens=int(gold.numel()))
+    v = logits.size(-1)
+    loss, nll = _SmoothedCrossEntropy.apply(logits.reshape(-1, v), target.reshape(-1), keep.reshape(-1), epsilon)
+    return LossOut(loss=loss, nll=nll, n_tokens=int(keep.sum()))
 
 
 def kd_mse(student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
