@@ -74,7 +74,7 @@ from nmtcore.bert import BertLayer, BertOut, pool_to_tokens
 from nmtcore.config import MaskFusionConfig
 from nmtcore.models.base import ModelOutput
 from nmtcore.models.transformer import Transformer
-from nmtcore.nn import CrossAttention, EncoderOut
+from nmtcore.nn import CrossAttention, EncoderOut, dropout
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -229,7 +229,7 @@ class MaskFusion(Transformer):
         if self.knowledge is not None:
             bert_tok, _ = pool_to_tokens(bert, batch.extras["bert_align"])  # B per NMT token (B, S, H)
             x, m = self.knowledge(x, bert[:, 0], bert_tok, batch.src_mask)  # B_CLS = [CLS], stream position 0
-        return F.dropout(x, self.cfg.dropout, self.training), m
+        return dropout(x, self.cfg.dropout, self.training), m
 
     def encode_with_mask(self, batch: "Batch") -> tuple[EncoderOut, Tensor | None]:
         """:meth:`encode` plus the knowledge mask M (B, S) (None without the embedding stage)."""

@@ -107,7 +107,7 @@ from nmtcore.config import ConfigError, ExperimentConfig, PlmSponsoredConfig
 from nmtcore.models.base import ModelOutput, NMTModel
 from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
-                        SinusoidalPositions, attend, merge_heads, split_heads)
+                        SinusoidalPositions, attend, dropout, merge_heads, split_heads)
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch, PreparedData
@@ -200,7 +200,7 @@ class TargetBertDecoder(nn.Module):
         # training targets and beam search's max length never crash, they only lose position resolution.
         pos = torch.arange(offset, offset + t, device=tokens.device).clamp(max=self.max_positions - 1)
         x = self.word(tokens) + self.positions(pos) + self.token_type  # (B, T, H)
-        x = F.dropout(self.norm(x), self.dropout, self.training)
+        x = dropout(self.norm(x), self.dropout, self.training)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache=state.layers[i] if state is not None else None)
         return x
@@ -339,7 +339,7 @@ class CoordinatorLayer(nn.Module):
 
     def forward(self, x: Tensor, r_src: Tensor, src_mask: Tensor, r_tgt: Tensor,
                 caches: tuple[LayerCache, LayerCache] | None = None) -> Tensor:
-        h = x + F.dropout(self.attn(x, r_src, src_mask, r_tgt, caches), self.dropout, self.training)  # h_j
+        h = x + dropout(self.attn(x, r_src, src_mask, r_tgt, caches), self.dropout, self.training)  # h_j
         return self.ffn_res.after(h, self.ffn(h))  # r_j
 
 
@@ -434,7 +434,7 @@ class PlmSponsored(NMTModel):
         two per coordinator layer."""
         offset = state.step if state is not None else 0
         r_t = self.tgt_proj(r_tgt)  # (B, T, d)
-        x = F.dropout(r_t + self.positions(r_t.size(1), offset), self.cfg.dropout, self.training)  # r_0
+        x = dropout(r_t + self.positions(r_t.size(1), offset), self.cfg.dropout, self.training)  # r_0
         base = len(self.decoder.layers)
         for j, layer in enumerate(self.coordinator):
             caches = (state.layers[base + 2 * j], state.layers[base + 2 * j + 1]) if state is not None else None

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from nmtcore.bert import BertKD
 from nmtcore.config import ModelConfig
 from nmtcore.models.base import ModelOutput, NMTModel
-from nmtcore.nn import DecoderLayer, DecoderState, EncoderLayer, EncoderOut, SinusoidalPositions
+from nmtcore.nn import DecoderLayer, DecoderState, EncoderLayer, EncoderOut, SinusoidalPositions, dropout
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -61,7 +61,7 @@ class Transformer(NMTModel):
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
         x = table(tokens) * self.embed_scale + self.positions(tokens.size(1), offset)  # (B, T, C)
-        return F.dropout(x, self.cfg.dropout, self.training)
+        return dropout(x, self.cfg.dropout, self.training)
 
     def output_logits(self, h: Tensor) -> Tensor:
         """Decoder states (..., C) → logits (..., V) through the tied target embedding."""

@@ -23,6 +23,23 @@ def key_padding_to_attn_mask(key_padding_mask: Tensor | None) -> Tensor | None:
     return ~key_padding_mask[:, None, None, :]
 
 
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """``F.dropout`` with the same semantics (zero with probability ``p``, scale the rest by 1/(1 − p)),
+    drawing its mask faster on the CPU: one 64-bit draw of torch's generator gives four 16-bit uniforms,
+    so ``p`` is realised to within 2^-17. ``F.dropout``'s per-element Bernoulli draws took ~10% of a CPU
+    training step at d 256; this takes about half of that. Seeded and checkpointed like any other draw of
+    the default generator. Elsewhere (CUDA) it is ``F.dropout``, which is fused there."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0 or not x.is_floating_point():
+        return F.dropout(x, p, training)
+    n = x.numel()
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # full 64-bit range
+    r = bits.view(torch.int16)[:n].view(x.shape)  # uniform on [-32768, 32767]
+    keep = r >= round(p * 65536) - 32768  # P(keep) = 1 − p (to 2^-17)
+    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+
+
 class SinusoidalPositions(nn.Module):
     """Fixed sinusoidal position encodings (Vaswani et al.), fairseq layout: [sin | cos] halves."""
 
@@ -161,7 +178,7 @@ class FeedForward(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
+        h = dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
         return self.fc2(h)
 
 
@@ -179,7 +196,7 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def after(self, residual: Tensor, y: Tensor) -> Tensor:
-        x = residual + F.dropout(y, self.dropout, self.training)
+        x = residual + dropout(y, self.dropout, self.training)
         return x if self.pre_norm else self.norm(x)
 
 
