@@ -99,23 +99,26 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precisions", default="auto", help="comma list of auto,bf16,fp32")
     p.add_argument("--skip-thr", action="store_true", help="only the quality run")
+    p.add_argument("--skip-qual", action="store_true", help="only the throughput run (the peer's QUALITY_UPDATES=0)")
+    p.add_argument("--thr-updates", type=int, default=200, help="updates of the throughput run (the peer's UPDATES)")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="batch budget; fairseq packs fewer target tokens per 4096-token batch than we do "
                         "(it sorts by source length only), ~3675 gives its 3446 target tokens per update")
     p.add_argument("--reuse", action="store_true", help="decode the checkpoints of an earlier run, no training")
     p.add_argument("--peer-log", help="output of ../shared/bench/peer_fairseq.sh, for ratios")
     args = p.parse_args()
-    data = prepare_data(experiment(args, "thr", 5e-4, 4000, 200, "fp32").data)
+    data = prepare_data(experiment(args, "thr", 5e-4, 4000, args.thr_updates, "fp32").data)
     print(f"nmtcore data: train_pairs={len(data.train)} vocab={len(data.vocab)} "
           f"train_tgt_tokens_incl_eos={int(data.train.tgt_lens.sum() + len(data.train))}", flush=True)
     results = {}
     for precision in args.precisions.split(","):
         r = {}
         if not args.skip_thr:
-            r["thr"], _ = train_run(args, "thr", 5e-4, 4000, 200, precision, data)
-        r["qual"], trainer = train_run(args, "qual", 1e-3, 400, 500, precision, data)
-        r["qual_beam5"] = decode_run(args, trainer, "qual", 5, precision, data)
-        r["qual_greedy"] = decode_run(args, trainer, "qual", 1, precision, data)
+            r["thr"], _ = train_run(args, "thr", 5e-4, 4000, args.thr_updates, precision, data)
+        if not args.skip_qual:
+            r["qual"], trainer = train_run(args, "qual", 1e-3, 400, 500, precision, data)
+            r["qual_beam5"] = decode_run(args, trainer, "qual", 5, precision, data)
+            r["qual_greedy"] = decode_run(args, trainer, "qual", 1, precision, data)
         results[precision] = r
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"nmtcore peak_rss_mb={rss:.0f}")
@@ -125,7 +128,7 @@ def main() -> int:
             ratios = {}
             if "thr" in r and "thr" in peer:
                 ratios["train_tok_per_s_thr"] = r["thr"]["train_tgt_tok_per_s"] / float(peer["thr"]["train_tgt_tok_per_s"])
-            if "qual" in peer:
+            if "qual" in peer and "qual" in r:
                 q = peer["qual"]
                 ratios["train_tok_per_s_qual"] = r["qual"]["train_tgt_tok_per_s"] / float(q["train_tgt_tok_per_s"])
                 ratios["bleu_delta_beam5"] = r["qual_beam5"]["bleu"] - float(q["bleu"])
