@@ -16,10 +16,10 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from nmtcore import tracking
-from nmtcore.config import ExperimentConfig
+from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
 from nmtcore.sweep import ray_backend, ray_cluster, ray_tasks
 from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
@@ -33,8 +33,10 @@ from nmtcore.sweep.lifecycle import (
     publish_sweep_views,
     sweep_children,
 )
+from nmtcore.sweep.memory import BertFootprint, trial_memory
 from nmtcore.sweep.plan import (
     baseline_config,
+    bert_key,
     distinct_berts,
     expected_trials,
     trial_key,
@@ -128,12 +130,14 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     started_ray = not ray_cluster.ray_is_running()
     dashboard_url = ray_cluster.init_ray(
         settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
-        log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)})
+        log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)},
+        memory_gb=settings.memory_gb)
     try:
         if settings.address:
             ray_cluster.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
-        data = prepare_shared(base, space)
+        data, footprints = prepare_shared(base, space)
+        trial_bytes = trial_memory_bytes(space, base, footprints)
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = ray_tasks.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
@@ -175,7 +179,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             gpus_per_worker=settings.gpus_per_trial / workers,
             threads_per_worker=max(1, int(settings.cpus_per_trial // workers)),
             controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
-            test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks))
+            test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
+            bert_footprints=footprints, trial_memory_bytes=trial_bytes)
 
         interrupted = True
         report_files: list[str] = []
@@ -230,18 +235,33 @@ def describe_protocol(space: SearchSpace, made: Any) -> str:
     return f"arms {start}; control arm: {'yes' if p.control else 'no'}"
 
 
-def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> dict[str, str]:
+def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str, str], dict[str, BertFootprint]]:
     """Prepare once, before the trials, what parallel trials would otherwise each make, each as a named Ray
     task on the driver's node (the dashboard lists them; the console shows their progress): the data ("prepare
     data ...": fails fast on missing data; the vocabulary is cached) and every distinct BERT of the grid
     ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`).
-    Returns the data checksums."""
+    Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
     checksums = ray_tasks.prepare_data_task(base.data)
+    footprints: dict[str, BertFootprint] = {}
     for cfg in distinct_berts(space, base):
         b = cfg.model.bert
         what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
-        ray_tasks.ensure_bert_task(cfg, what)
-    return checksums
+        _, footprints[bert_key(cfg)] = ray_tasks.ensure_bert_task(cfg, what)
+    return checksums, footprints
+
+
+def trial_memory_bytes(space: SearchSpace, base: ExperimentConfig, footprints: Mapping[str, BertFootprint]) -> int:
+    """The largest memory estimate (:func:`~nmtcore.sweep.memory.trial_memory`) over the trials the space
+    can produce (every grid point; both ends of every range), which sets how many run at once."""
+    points: list[Any] = space.example_points() or [{}]
+    biggest = 0
+    for point in points:
+        try:
+            cfg = base.with_overrides(trial_overrides(space, point, base.train.seed))
+        except ConfigError:
+            continue
+        biggest = max(biggest, trial_memory(cfg, footprints.get(bert_key(cfg))).total)
+    return biggest
 
 
 def trial_records(trials: list[Any], space: SearchSpace, base_seed: int, parent_run_id: str,

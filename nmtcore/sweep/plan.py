@@ -130,11 +130,16 @@ def distinct_berts(space: SearchSpace, base: ExperimentConfig) -> list[Experimen
             cfg = base.with_overrides(overrides)
         except ConfigError:
             continue  # a sampled space's range ends were checked by validate_space; nothing to prepare
-        key = json.dumps({k: v for k, v in cfg.flat().items() if k.startswith("model.bert.")}, sort_keys=True)
+        key = bert_key(cfg)
         if cfg.model.bert.enabled and key not in seen:
             seen.add(key)
             out.append(cfg)
     return out
+
+
+def bert_key(cfg: ExperimentConfig) -> str:
+    """What identifies a trial's BERT: its ``model.bert.*`` settings (one pre-sweep task per distinct key)."""
+    return json.dumps({k: v for k, v in cfg.flat().items() if k.startswith("model.bert.")}, sort_keys=True, default=str)
 
 
 def plain(v: Any) -> Any:

@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +73,10 @@ from nmtcore.sweep.lifecycle import (
     open_child_run,
     set_trial_state,
 )
+from nmtcore.sweep.memory import trial_memory
 from nmtcore.sweep.plan import (
     SEED_KEY,
+    bert_key,
     trial_config,
     trial_key,
     trial_overrides,
@@ -93,14 +96,17 @@ from nmtcore.sweep.space import (
     Uniform,
 )
 from nmtcore.sweep.trial import (
+    MEMORY_TAG,
     NonFiniteTrialError,
     SweepContext,
+    TrialOutOfMemoryError,
     TrialTracking,
     all_gather,
     all_reduce_sum,
     epoch_of,
     failure_reason,
     final_metrics_from_run,
+    is_out_of_memory,
     last_epoch_metrics,
     run_name,
 )
@@ -199,6 +205,9 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         return
     if existing is not None and existing.tags.get(FAILURE_KIND_TAG) == "nonfinite":
         raise NonFiniteTrialError(existing.tags.get(tracking.FAILURE_REASON_TAG, "non-finite loss"))
+    if existing is not None and existing.tags.get(FAILURE_KIND_TAG) == "oom":
+        # The same config in the same packing would run out of memory again: not retried blindly.
+        raise TrialOutOfMemoryError(existing.tags.get(tracking.FAILURE_REASON_TAG, "out of memory"))
     point, control = trial_point(ctx.space, config)
     name = run_name(point, control, overrides.get(SEED_KEY, ctx.base_seed))
     run_id, _ = open_child_run(ctx.parent_run_id, key, name, ctx.child_tags(overrides, point, control),
@@ -206,7 +215,10 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     trial_id = tune.get_context().get_trial_id()
     set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
-    resources = {"CPU": ctx.cpus_per_worker}
+    memory = trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg)))
+    tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / 1024**3:.2f}"}, ctx.tracking_uri)
+    # Ray reserves the estimate for each worker: trials beyond the node's memory wait, not crash.
+    resources = {"CPU": ctx.cpus_per_worker, "memory": memory.total}
     if ctx.gpus_per_worker:
         resources["GPU"] = ctx.gpus_per_worker
     trainer = TorchTrainer(
@@ -230,10 +242,19 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         trainer.fit()
     except Exception as e:
         reason = failure_reason(e)
+        oom = is_out_of_memory(reason)
+        if oom:
+            reason = (f"{reason} (out of memory; its estimate was {memory.describe()}: lower data.max_tokens or "
+                      "--max-concurrent, or give the sweep more memory)")
         with contextlib.suppress(Exception):  # the worker may already have ended it with the exact reason
             end_trial(run_id, TrialState.FAILED, ctx.tracking_uri, reason=reason)
+        if oom:
+            with contextlib.suppress(Exception):
+                tracking.set_run_tags(run_id, {FAILURE_KIND_TAG: "oom"}, ctx.tracking_uri)
         if "NonFiniteLossError" in reason:
             raise NonFiniteTrialError(reason) from None
+        if oom:
+            raise TrialOutOfMemoryError(reason) from None
         raise
 
 
@@ -298,7 +319,8 @@ def _train_loop(lc: dict[str, Any]) -> None:
             # (else a FAILED run stays "running": the driver's clean-up only touches RUNNING runs).
             if tracker is not None:
                 with contextlib.suppress(Exception):  # never mask the error that ended the trial
-                    tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value})
+                    kind = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(traceback.format_exc()) else {}
+                    tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value, **kind})
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
         test = summary.test.get(lc["test_split"]) or next(iter(summary.test.values()), None)
@@ -457,7 +479,8 @@ class _TrialsConsole(tune.Callback):
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._say(f"trial {self.name_of(trial)}: FAILED after epoch {self._epoch(trial)} ({self._ran(trial)}); "
-                  "Tune retries it from its last checkpoint while it has retries left")
+                  "Tune retries it from its last checkpoint while it has retries left (not one that ran out of "
+                  "memory or whose loss became non-finite: those end at once)")
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
         if time.monotonic() - self._last_line >= self.heartbeat_s:
@@ -566,7 +589,9 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     or is interrupted. ``before_fit`` is called once the Tuner is ready (the driver prints where to watch)."""
     space = ctx.space
     cells = not space.sampled if cells is None else cells
-    fits = trials_that_fit(settings)
+    # Per worker: its estimate, and its share of the trial actor's own small reservation.
+    per_worker = ctx.trial_memory_bytes + DRIVER_RESOURCES["memory"] // ctx.workers if ctx.trial_memory_bytes else 0
+    fits = trials_that_fit(settings, per_worker)
     if settings.max_concurrent > fits:
         log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)
     max_concurrent = min(settings.max_concurrent or fits, fits)

@@ -25,6 +25,7 @@ import ray
 
 from nmtcore import tracking
 from nmtcore.config import ExperimentConfig
+from nmtcore.sweep.memory import GIB, node_memory_fits
 from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
 
 log = logging.getLogger("nmtcore.sweep")
@@ -79,7 +80,7 @@ LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
              dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
-             env: Mapping[str, str] | None = None) -> str | None:
+             env: Mapping[str, str] | None = None, memory_gb: float | None = None) -> str | None:
     """Start a local Ray cluster (or join ``address``) unless this process is already connected;
     returns the dashboard URL (``http://127.0.0.1:8265``) or None.
 
@@ -97,6 +98,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
             ctx = ray.init(address=address, **kwargs)
         else:
             with _loopback_only():
+                if memory_gb:  # the memory Ray may reserve for tasks and trials (default: ~70% of what is free)
+                    kwargs["_memory"] = int(memory_gb * GIB)
                 ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
                                dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
             node_ip = (getattr(ctx, "address_info", None) or {}).get("node_ip_address", "127.0.0.1")
@@ -204,9 +207,10 @@ def shutdown_ray() -> None:
 
 
 def cluster_nodes() -> list[dict[str, Any]]:
-    """Alive nodes: id, address, CPUs, GPUs."""
+    """Alive nodes: id, address, CPUs, GPUs, Ray's ``memory`` resource (bytes)."""
     return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress"), "cpus": n["Resources"].get("CPU", 0),
-             "gpus": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
+             "gpus": n["Resources"].get("GPU", 0), "memory": n["Resources"].get("memory", 0)}
+            for n in ray.nodes() if n.get("Alive")]
 
 
 def check_cluster(settings: SweepSettings, base: ExperimentConfig) -> None:
@@ -251,26 +255,39 @@ def _nodes_missing(path: str) -> list[str]:
         marker.unlink(missing_ok=True)
 
 
-def trials_that_fit(settings: SweepSettings) -> int:
-    """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs)
-    fit on it, summed. Raises :class:`SweepError` if not even one fits."""
+def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
+    """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs) fit on
+    it and, with ``trial_bytes`` (a trial worker's memory estimate, :mod:`nmtcore.sweep.memory`), whose memory
+    fits in the node's Ray ``memory`` resource; summed over nodes. Raises :class:`SweepError` if not even one
+    fits."""
     total = 0
-    biggest = {"cpus": 0.0, "gpus": 0.0}
+    biggest = {"cpus": 0.0, "gpus": 0.0, "memory": 0.0}
     per_node_cpus = settings.cpus_per_trial if settings.workers_per_trial == 1 else \
         settings.cpus_per_trial / settings.workers_per_trial
+    limits: list[str] = []
     for node in cluster_nodes():
-        biggest = {"cpus": max(biggest["cpus"], node["cpus"]), "gpus": max(biggest["gpus"], node["gpus"])}
+        biggest = {k: max(biggest[k], node[k]) for k in biggest}
         n = int(node["cpus"] // per_node_cpus + 1e-9) if per_node_cpus else 0
         if settings.gpus_per_trial:
             per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
             n = min(n, int(node["gpus"] // per_node_gpus + 1e-9))
+        if trial_bytes:
+            by_memory = node_memory_fits(node["memory"], trial_bytes)
+            if by_memory < n:
+                limits.append(f"node {node['node_id'][:8]}: {by_memory} by memory ({node['memory'] / GIB:.1f} GiB "
+                              f"for trials of {trial_bytes / GIB:.2f} GiB), {n} by CPUs/GPUs")
+            n = min(n, by_memory)
         total += n
     if settings.workers_per_trial > 1:
         total //= settings.workers_per_trial
     if total < 1:
-        raise SweepError(f"a trial needs {settings.cpus_per_trial} CPUs and {settings.gpus_per_trial} GPUs; the "
-                         f"largest node has {biggest['cpus']:g} CPUs and {biggest['gpus']:g} GPUs "
-                         "(lower --cpus-per-trial / --gpus-per-trial)")
+        memory = (f", {trial_bytes / GIB:.2f} GiB of memory (estimated)" if trial_bytes else "")
+        raise SweepError(f"a trial needs {settings.cpus_per_trial} CPUs and {settings.gpus_per_trial} GPUs{memory}; "
+                         f"the largest node has {biggest['cpus']:g} CPUs, {biggest['gpus']:g} GPUs and "
+                         f"{biggest['memory'] / GIB:.1f} GiB of Ray memory (lower --cpus-per-trial / --gpus-per-trial, "
+                         "or data.max_tokens, or raise --memory-gb)")
+    for line in limits:
+        log.warning("fewer trials at once than CPUs allow: %s", line)
     return total
 
 

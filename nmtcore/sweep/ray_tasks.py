@@ -22,9 +22,11 @@ from typing import Any, Callable, TypeVar
 import ray
 
 from nmtcore.bert import ensure_bert
+from nmtcore.bert.ensure import build_bert
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
+from nmtcore.sweep.memory import BertFootprint
 from nmtcore.sweep.ray_cluster import cluster_nodes, remove_leaked_placement_groups
 
 T = TypeVar("T")
@@ -225,11 +227,18 @@ def prepare_data_task(data: DataConfig) -> dict[str, str]:
     return checksums
 
 
-def ensure_bert_task(cfg: ExperimentConfig, what: str) -> ExperimentConfig:
+def ensure_bert_task(cfg: ExperimentConfig, what: str) -> tuple[ExperimentConfig, BertFootprint]:
     """:func:`nmtcore.bert.ensure_bert` as the task "prepare BERT <what>" (made here if nothing answers:
     minutes, with its steps on the console), with its quality figure measured once (cached) so every trial
-    using it reports what its BERT knows."""
-    return run_pre_sweep_task(f"prepare BERT {what}", ensure_bert, cfg, progress_kw="progress", quality=True)
+    using it reports what its BERT knows. Returns the config and the BERT's footprint (weights and shape,
+    for the trials' memory estimates)."""
+    return run_pre_sweep_task(f"prepare BERT {what}", _ensure_bert_footprint, cfg, progress_kw="progress")
+
+
+def _ensure_bert_footprint(cfg: ExperimentConfig,
+                           progress: Callable[[str], None] | None = None) -> tuple[ExperimentConfig, BertFootprint]:
+    made = ensure_bert(cfg, progress=progress, quality=True)
+    return made, BertFootprint.of_directory(build_bert(made.model.bert, made.data).path)  # resolves: cheap now
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:

@@ -88,6 +88,8 @@ class SweepSettings:
     dashboard: bool = option(True, "start the Ray dashboard (local clusters)")
     dashboard_host: str = "127.0.0.1"
     num_cpus: int | None = option(None, "logical CPUs of the local Ray cluster (default: all cores)")
+    memory_gb: float | None = option(None, "memory the local Ray cluster may reserve for trials, GiB (default: "
+                                           "Ray's share of what is free); trials are packed by their estimates")
     ray_temp_dir: str | None = None
     scratch_dir: str | None = None
     report_dir: str | None = option(None, "report folder (default: <storage>/<name>/report)")
@@ -107,6 +109,7 @@ class SweepSettings:
             (self.cpus_per_trial > 0, "cpus_per_trial must be > 0"),
             (self.gpus_per_trial >= 0, "gpus_per_trial must be >= 0"),
             (self.max_failures >= 0, "max_failures must be >= 0"),
+            (self.memory_gb is None or self.memory_gb > 0, "memory_gb must be > 0"),
             (self.controller_failure_limit >= 0, "controller_failure_limit must be >= 0"),
             (self.grace_period >= 1 and self.reduction_factor >= 2, "ASHA needs grace_period >= 1, reduction_factor >= 2"),
         ]

@@ -5,7 +5,7 @@ The Ray side (:mod:`nmtcore.sweep.ray_backend`) calls these."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +24,7 @@ from nmtcore.sweep.lifecycle import (
     TRIAL_STATE_TAG,
     TrialState,
 )
+from nmtcore.sweep.memory import BertFootprint
 from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, config_key, fmt, plain
 from nmtcore.sweep.space import ARM_KEY, CONTROL, SearchSpace
 from nmtcore.tracking.callback import TrackingCallback
@@ -53,6 +54,20 @@ class NonFiniteTrialError(RuntimeError):
     """A trial's loss became NaN/inf; retrying would reproduce it, so the trial stays FAILED."""
 
 
+class TrialOutOfMemoryError(RuntimeError):
+    """A trial ran out of memory; retrying it as it was packed would too, so the trial stays FAILED."""
+
+
+MEMORY_TAG = "nmtcore.memory_estimate_gib"  # a trial's memory estimate, as Ray reserved it for each worker
+_OOM_MARKS = ("OutOfMemoryError", "MemoryError", "out of memory", "running low on memory", "killed due to memory")
+
+
+def is_out_of_memory(reason: str) -> bool:
+    """Whether a failure (its one-line reason or a traceback) says the trial ran out of memory: a Python
+    ``MemoryError``, torch's ``OutOfMemoryError``, or Ray's memory monitor killing the worker."""
+    return any(mark.lower() in reason.lower() for mark in _OOM_MARKS)
+
+
 @dataclass(frozen=True)
 class SweepContext:
     """Everything a trial needs, shipped once through the object store (``tune.with_parameters``)."""
@@ -73,6 +88,8 @@ class SweepContext:
     metric: str
     test_split: str
     trial_callbacks: tuple[Any, ...] = ()
+    bert_footprints: Mapping[str, BertFootprint] = field(default_factory=dict)  # by plan.bert_key
+    trial_memory_bytes: int = 0  # the largest trial's estimate (sets how many run at once)
 
     def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
         """Tags of a trial's child run: the sweep, the study, its arm (:func:`arm_name`: the run name's), the

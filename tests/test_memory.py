@@ -1,0 +1,145 @@
+"""Memory-aware trial packing: the estimate of one trial's memory (its parts from the config, checked against
+a real model and a real process), how many trials fit a node by CPUs and memory, what counts as running out of
+memory, and (slow) a sweep whose trials do not fit in memory together running them one at a time."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nmtcore.config import preset
+from nmtcore.engine import Callback
+from nmtcore.models import build_model
+from nmtcore.sweep import driver
+from nmtcore.sweep import ray_cluster as rayc
+from nmtcore.sweep.memory import GIB, BertFootprint, nmt_parameters, trial_memory
+from nmtcore.sweep.settings import SweepError
+from nmtcore.sweep.trial import MEMORY_TAG, is_out_of_memory
+from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
+from search_spaces import SearchSpace, grid
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.pre_norm": True}, {"model.share_embeddings": False},
+                                       {"model.d_model": 128, "model.ffn_dim": 256, "model.encoder_layers": 2}])
+def test_the_nmt_parameter_count_is_the_built_models(overrides) -> None:
+    cfg = preset("multi30k_small").with_overrides(overrides)
+    model = build_model(cfg.model, cfg.data.vocab_size, 0, 1, 2)
+    assert nmt_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_estimate_grows_with_the_batch_the_bert_and_fine_tuning() -> None:
+    base = preset("multi30k_small")
+    small, big = trial_memory(base), trial_memory(base.with_overrides({"data.max_tokens": 8192}))
+    assert big.activations > 1.9 * small.activations and big.weights == small.weights
+    bert = BertFootprint(weight_bytes=90 * 1024**2, layers=6, hidden=384, intermediate=1536)
+    fused = base.with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm"})
+    frozen = trial_memory(fused, bert)
+    tuned = trial_memory(fused.with_overrides({"model.bert.freeze": False}), bert)
+    assert frozen.weights >= small.weights + bert.weight_bytes
+    assert tuned.weights >= frozen.weights + 3 * bert.weight_bytes and tuned.activations > frozen.activations
+    assert trial_memory(fused, None).total < frozen.total  # without its footprint the BERT is not counted
+    assert "GiB" in frozen.describe()
+
+
+def test_a_bert_footprint_reads_the_weights_and_the_shape(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 2,
+                                                      "intermediate_size": 1024}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 12345)
+    fp = BertFootprint.of_directory(tmp_path)
+    assert (fp.weight_bytes, fp.layers, fp.hidden, fp.intermediate) == (12345, 2, 256, 1024)
+
+
+def test_trials_are_packed_by_memory_as_well_as_cpus(monkeypatch, tmp_path) -> None:
+    nodes = [{"node_id": "a" * 16, "cpus": 8.0, "gpus": 0.0, "memory": 10.0 * GIB},
+             {"node_id": "b" * 16, "cpus": 2.0, "gpus": 0.0, "memory": 64.0 * GIB}]
+    monkeypatch.setattr(rayc, "cluster_nodes", lambda: nodes)
+    settings = tiny_settings(tmp_path, "pack", "sqlite:///x.db")
+    assert rayc.trials_that_fit(settings) == 10  # 8 + 2 by CPUs
+    assert rayc.trials_that_fit(settings, int(3 * GIB)) == 3 + 2  # node a: 3 by memory; node b: 2 by CPUs
+    with pytest.raises(SweepError, match="GiB of memory"):
+        rayc.trials_that_fit(settings, int(100 * GIB))
+
+
+@pytest.mark.parametrize("reason, oom", [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("MemoryError: ", True),
+    ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.", True),
+    ("NonFiniteLossError: non-finite training loss (nan) at update 3", False),
+    ("ValueError: memory_gb must be > 0", False),
+])
+def test_what_counts_as_out_of_memory(reason: str, oom: bool) -> None:
+    assert is_out_of_memory(reason) is oom
+
+
+PEAK_SCRIPT = """
+import json, resource, sys, torch
+from nmtcore.config import preset
+from nmtcore.data import prepare_data
+from nmtcore.engine import build_trainer
+cfg = preset("multi30k_small").with_overrides({"data.data_dir": sys.argv[1], "output_dir": sys.argv[2],
+                                               "train.num_threads": 1, "train.precision": "fp32"})
+data = prepare_data(cfg.data)
+trainer = build_trainer(cfg, data, device=torch.device("cpu"))
+batches = sorted(trainer.train_batches(epoch=1), key=lambda b: -b.src.numel())[:4]  # the largest batches
+for b in batches:
+    trainer.train_step([b])
+print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_the_estimate_covers_a_real_training_process(tmp_path) -> None:
+    if not (DATA / "multi30k").is_dir():
+        pytest.skip("../shared/data/multi30k not found")
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(DATA), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, check=True)
+    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    estimate = trial_memory(preset("multi30k_small")).total
+    print(f"\nmulti30k_small, 4 largest batches: peak RSS {peak / GIB:.2f} GiB, estimate {estimate / GIB:.2f} GiB")
+    assert peak <= estimate < 1.6 * peak  # covers it, without wasting most of a node
+
+
+class _Interval(Callback):
+    """Writes when each trial trained (first to last epoch) to a file per trial."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer) -> None:
+        self.t0 = time.time()
+
+    def on_train_end(self, trainer, summary) -> None:
+        Path(self.folder, f"{trainer.cfg.model.d_model}.json").write_text(json.dumps([self.t0, time.time()]))
+
+
+@pytest.mark.slow
+def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_path, deadline) -> None:
+    space = SearchSpace("mem", "t", "transformer", params={"model.d_model": grid((32, 64))})
+    base = tiny_base(tmp_path)
+    one = max(trial_memory(base.with_overrides({"model.d_model": d})).total for d in (32, 64))
+    budget_gb = 1.5 * one / GIB  # room for one trial (and its Tune actor's reservation), not two
+    temp = Path("/tmp") / f"ray-mem-{tmp_path.name[-8:]}"
+    rayc.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False, memory_gb=budget_gb)
+    try:
+        settings = tiny_settings(tmp_path, "mem", store)
+        assert rayc.trials_that_fit(settings) == 2  # by CPUs alone both would run at once
+        assert rayc.trials_that_fit(settings, one) == 1
+        folder = tmp_path / "intervals"
+        folder.mkdir()
+        result = driver.run_sweep(space, base, settings, trial_callbacks=[_Interval(str(folder))],
+                                  log_to_driver=False)
+    finally:
+        rayc.shutdown_ray()
+    assert not result.interrupted and {t.status for t in result.trials} == {"TERMINATED"}
+    (a0, a1), (b0, b1) = sorted(json.loads(p.read_text()) for p in folder.glob("*.json"))
+    assert a1 <= b0, f"trials overlapped: {a0:.0f}-{a1:.0f} and {b0:.0f}-{b1:.0f}"
+    _, children = runs_of("mem", store)
+    assert len(children) == 2 and all(float(c.tags[MEMORY_TAG]) > 0 for c in children)
