@@ -267,3 +267,20 @@ def test_provenance_tags(tmp_path: Path) -> None:
     assert provenance_tags(repo_dir=repo)["nmtcore.git_dirty"] == "true"
     outside = provenance_tags(repo_dir=tmp_path)  # not a repository: no git tags, no error
     assert "nmtcore.git_sha" not in outside and "nmtcore.git_dirty" not in outside
+
+
+def test_a_resume_logs_the_epochs_its_checkpoint_has_and_its_run_lacks(store: str) -> None:
+    """A process killed after epoch 3's checkpoint was written but before epoch 3 was logged resumes at epoch 3:
+    the callback logs what the restored history holds and the run does not, once."""
+    from nmtcore.tracking.callback import TrackingCallback
+
+    history = [{"epoch": float(e), "valid_loss": 5.0 - e, "train_loss": 6.0 - e} for e in (1, 2, 3)]
+    with Tracker(store, experiment="relog", run_name="r") as t:
+        for h in history[:2]:
+            t.log_metrics(h, step=int(h["epoch"]))
+        TrackingCallback(t, _cfg()).relog_missing_epochs(history)
+        TrackingCallback(t, _cfg()).relog_missing_epochs(history)  # a second resume adds nothing
+        run_id = t.run_id
+    metrics = get_run_metrics(run_id, store)
+    assert metrics["valid_loss"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert metrics["train_loss"] == [(1, 5.0), (2, 4.0), (3, 3.0)]

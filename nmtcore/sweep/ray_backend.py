@@ -200,7 +200,10 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     existing = find_child_run(ctx.parent_run_id, key, ctx.tracking_uri)
     if existing is not None and existing.tags.get(TRIAL_STATE_TAG) == TrialState.COMPLETE.value:
         # Trained and scored by an earlier attempt (e.g. before a driver crash the experiment state
-        # did not record): report its results instead of training a duplicate.
+        # did not record): report its results instead of training a duplicate. A process killed between
+        # marking the run complete and ending it left it RUNNING: end it as what it is.
+        if existing.status == "RUNNING":
+            end_trial(existing.run_id, TrialState.COMPLETE, ctx.tracking_uri)
         tune.report(final_metrics_from_run(existing))
         return
     if existing is not None and existing.tags.get(FAILURE_KIND_TAG) == "nonfinite":

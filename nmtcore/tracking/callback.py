@@ -10,7 +10,7 @@ from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
 from nmtcore.engine import Callback
 from nmtcore.tracking.provenance import provenance_tags
-from nmtcore.tracking.store import Tracker
+from nmtcore.tracking.store import Tracker, get_run_metrics
 
 if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
@@ -53,6 +53,19 @@ class TrackingCallback(Callback):
                      "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype)})
         tags.update(bert_tags(trainer.model, self.cfg))
         self.tracker.set_tags(provenance_tags(tags))
+        if trainer.state.history:  # resumed: the checkpoint may be newer than the run's record
+            self.relog_missing_epochs(trainer.state.history)
+
+    def relog_missing_epochs(self, history: list[dict[str, float]]) -> None:
+        """Log the epochs of a resumed run's history that the run does not hold yet: a process killed after an
+        epoch's checkpoint was written but before its metrics were logged resumes past that epoch, which would
+        otherwise be missing from the run for good."""
+        logged = {step for step, _ in get_run_metrics(self.tracker.run_id, self.tracker.tracking_uri)
+                  .get("valid_loss", [])}
+        for metrics in history:
+            epoch = int(metrics.get("epoch", 0))
+            if epoch and epoch not in logged:
+                self.tracker.log_metrics(metrics, step=epoch)
 
     def on_log(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
         self.tracker.log_metrics({f"update/{k}": v for k, v in metrics.items() if k != "num_updates"},
