@@ -69,10 +69,17 @@ def ensure_bert(cfg: ExperimentConfig, threads: int | None = None, progress: Cal
     its quality figure on held-out text of the source language, which every run using it then reports
     (skipped, with a log line, when Multi30k's text of that language cannot be found). Call it once per
     distinct BERT in a sweep driver before trials start."""
+    return ensure_bert_resolved(cfg, threads, progress, quality)[0]
+
+
+def ensure_bert_resolved(cfg: ExperimentConfig, threads: int | None = None,
+                         progress: Callable[[str], None] | None = None,
+                         quality: bool = False) -> tuple[ExperimentConfig, ResolvedBert | None]:
+    """:func:`ensure_bert`, also returning the BERT it resolved (None when the experiment has none)."""
     cfg = with_bert_defaults(cfg)
     bc = cfg.model.bert
     if not bc.enabled:
-        return cfg
+        return cfg, None
     resolved = build_bert(bc, cfg.data, threads=threads, progress=progress)
     if quality:
         try:
@@ -80,4 +87,4 @@ def ensure_bert(cfg: ExperimentConfig, threads: int | None = None, progress: Cal
             (progress or log.info)(f"BERT {resolved.name}: {q.describe()}")
         except DataError as e:
             log.info("BERT %s: no quality figure (%s)", resolved.name, e)
-    return cfg
+    return cfg, resolved

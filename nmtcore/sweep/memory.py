@@ -115,9 +115,3 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
                                                              + BERT_LAYER_FLOATS[1] * bert.intermediate)
     return MemoryEstimate(process=PROCESS_BYTES, weights=params * 16 + bert_weights, activations=acts)
 
-
-def node_memory_fits(node_bytes: float, trial_bytes: float) -> int:
-    """How many trials of ``trial_bytes`` a node with ``node_bytes`` of Ray's ``memory`` resource holds."""
-    if trial_bytes <= 0:
-        return 1 << 30
-    return int(node_bytes // trial_bytes)

@@ -37,7 +37,6 @@ import os
 import shutil
 import tempfile
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ from nmtcore.sweep.lifecycle import (
     open_child_run,
     set_trial_state,
 )
-from nmtcore.sweep.memory import trial_memory
+from nmtcore.sweep.memory import GIB, trial_memory
 from nmtcore.sweep.plan import (
     SEED_KEY,
     bert_key,
@@ -219,7 +218,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
     memory = trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg)))
-    tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / 1024**3:.2f}"}, ctx.tracking_uri)
+    tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
     # Ray reserves the estimate for each worker: trials beyond the node's memory wait, not crash.
     resources = {"CPU": ctx.cpus_per_worker, "memory": memory.total}
     if ctx.gpus_per_worker:
@@ -317,12 +316,12 @@ def _train_loop(lc: dict[str, Any]) -> None:
             if tracker is not None:
                 tracker.set_tags({FAILURE_KIND_TAG: "nonfinite", TRIAL_STATE_TAG: TrialState.FAILED.value})
             raise
-        except Exception:
+        except Exception as e:
             # Any other error (out of memory...): the run ends FAILED below; its state must say so too
             # (else a FAILED run stays "running": the driver's clean-up only touches RUNNING runs).
             if tracker is not None:
                 with contextlib.suppress(Exception):  # never mask the error that ended the trial
-                    kind = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(traceback.format_exc()) else {}
+                    kind = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(failure_reason(e)) else {}
                     tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value, **kind})
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)

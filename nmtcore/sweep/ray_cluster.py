@@ -25,7 +25,7 @@ import ray
 
 from nmtcore import tracking
 from nmtcore.config import ExperimentConfig
-from nmtcore.sweep.memory import GIB, node_memory_fits
+from nmtcore.sweep.memory import GIB
 from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
 
 log = logging.getLogger("nmtcore.sweep")
@@ -272,7 +272,7 @@ def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
             per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
             n = min(n, int(node["gpus"] // per_node_gpus + 1e-9))
         if trial_bytes:
-            by_memory = node_memory_fits(node["memory"], trial_bytes)
+            by_memory = int(node["memory"] // trial_bytes)
             if by_memory < n:
                 limits.append(f"node {node['node_id'][:8]}: {by_memory} by memory ({node['memory'] / GIB:.1f} GiB "
                               f"for trials of {trial_bytes / GIB:.2f} GiB), {n} by CPUs/GPUs")

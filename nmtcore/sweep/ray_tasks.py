@@ -21,8 +21,7 @@ from typing import Any, Callable, TypeVar
 
 import ray
 
-from nmtcore.bert import ensure_bert
-from nmtcore.bert.ensure import build_bert
+from nmtcore.bert.ensure import ensure_bert_resolved
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
@@ -237,8 +236,9 @@ def ensure_bert_task(cfg: ExperimentConfig, what: str) -> tuple[ExperimentConfig
 
 def _ensure_bert_footprint(cfg: ExperimentConfig,
                            progress: Callable[[str], None] | None = None) -> tuple[ExperimentConfig, BertFootprint]:
-    made = ensure_bert(cfg, progress=progress, quality=True)
-    return made, BertFootprint.of_directory(build_bert(made.model.bert, made.data).path)  # resolves: cheap now
+    made, resolved = ensure_bert_resolved(cfg, progress=progress, quality=True)
+    assert resolved is not None  # distinct_berts hands over BERT-consuming configs only
+    return made, BertFootprint.of_directory(resolved.path)
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:

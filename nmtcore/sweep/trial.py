@@ -63,7 +63,7 @@ _OOM_MARKS = ("OutOfMemoryError", "MemoryError", "out of memory", "running low o
 
 
 def is_out_of_memory(reason: str) -> bool:
-    """Whether a failure (its one-line reason or a traceback) says the trial ran out of memory: a Python
+    """Whether a failure (its one-line reason) says the trial ran out of memory: a Python
     ``MemoryError``, torch's ``OutOfMemoryError``, or Ray's memory monitor killing the worker."""
     return any(mark.lower() in reason.lower() for mark in _OOM_MARKS)
 
