@@ -27,6 +27,7 @@ from nmtcore.bert.resolve import BertError, BertSpec, ResolvedBert, resolve_bert
 from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_table
 from nmtcore.config import BertConfig
 from nmtcore.data import BertInputs, EncodedSplit, PreparedData
+from nmtcore.nn.checkpointing import checkpoint_layers
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -53,6 +54,15 @@ class BertOut:
     @property
     def last(self) -> Tensor:
         return self.states[-1]
+
+
+def encoder_layers(hf_model: nn.Module) -> nn.ModuleList:
+    """The transformer layers of a ``transformers`` encoder (BERT, MPNet, XLM-R: ``encoder.layer``)."""
+    layers = getattr(getattr(hf_model, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise BertError(f"{type(hf_model).__name__} has no encoder.layer stack to checkpoint; set "
+                        "model.bert.activation_checkpointing=false")
+    return layers
 
 
 def pool_to_tokens(states: Tensor, align: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,6 +122,8 @@ class BertLayer(nn.Module):
         self.encoder = WordPieceEncoder(self.resolved.load_tokenizer(), self.max_length)
         if cfg.freeze:
             self.bert.requires_grad_(False)
+        # Active only while the BERT trains (a phase schedule may unfreeze it later).
+        self.checkpointed_layers = checkpoint_layers(encoder_layers(self.bert)) if cfg.activation_checkpointing else 0
         # What the owning model puts before [SEP] (document-level models, e.g. nmtcore.models.doc_context):
         # (split, data or None) → one context line (or None) per sentence; None = model.bert.context decides.
         self.context_source: Callable[[EncodedSplit, PreparedData | None], Sequence[str | None]] | None = None
@@ -122,7 +134,8 @@ class BertLayer(nn.Module):
         self.train(self.training)
         log.info("BERT %s: L%d/H%d, %s, layers %s, max_length %d, feature cache %s", self.resolved.describe(),
                  self.num_layers, self.hidden_size,
-                 "trainable" if not self.frozen else
+                 ("trainable, activation checkpointing " + ("on" if self.checkpointed_layers else "off"))
+                 if not self.frozen else
                  ("frozen, dropout ON (model.bert.dropout_when_frozen)" if cfg.dropout_when_frozen
                   else "frozen, eval mode (no dropout)"),
                  list(self.layers), self.max_length, "on" if self.cache_wanted else "off")

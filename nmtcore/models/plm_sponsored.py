@@ -66,7 +66,7 @@ units and ``model.activation``; ``model.plm_dropout`` ("the dropout for PLMs", S
 the PLMs' hidden dropout (embeddings, attention output, FFN output of both BERTs), their attention-probability
 dropout stays their own; target positions past the target BERT's table reuse its last position
 embedding; of ``model.tgt_bert`` only the name or size, ``freeze`` (default false: the decoder is
-fine-tuned), ``cache_dir`` and ``pretrain_*`` are read.
+fine-tuned), ``activation_checkpointing``, ``cache_dir`` and ``pretrain_*`` are read.
 
 The paper's configuration is two named presets (:mod:`nmtcore.config.presets`): ``plm_sponsored_iwslt_paper``
 (IWSLT'14 De→En, Section 3.2-3.3: coordinator = Transformer-base, 12 layers; PLM dropout 0.5; α = 0.9;
@@ -108,6 +108,7 @@ from nmtcore.models.base import ModelOutput, NMTModel
 from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
                         SinusoidalPositions, attend, dropout, merge_heads, split_heads)
+from nmtcore.nn.checkpointing import checkpoint_layers
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch, PreparedData
@@ -148,7 +149,7 @@ class TargetBertDecoder(nn.Module):
     layer with the NMT word table (FWET or random), then its layers, initialised from its weights."""
 
     def __init__(self, resolved: ResolvedBert, vocab_size: int, pad_id: int, freeze: bool,
-                 fwet: str = "", dropout: float | None = None) -> None:
+                 fwet: str = "", dropout: float | None = None, activation_checkpointing: bool = False) -> None:
         super().__init__()
         config = resolved.hf_config()
         if config.model_type != "bert":  # its layers are rebuilt causally from BERT's (no relative position bias)
@@ -183,6 +184,8 @@ class TargetBertDecoder(nn.Module):
             for _ in range(config.num_hidden_layers))
         for mine, theirs in zip(self.layers, hf.encoder.layer):
             mine.load_hf(theirs)
+        if activation_checkpointing:  # while fine-tuned (nmtcore.nn.checkpointing)
+            checkpoint_layers(self.layers)
         if freeze:
             for m in (self.positions, self.norm, self.layers):
                 m.requires_grad_(False)
@@ -379,7 +382,8 @@ class PlmSponsored(NMTModel):
         tb = cfg.tgt_bert
         resolved_tgt = resolve_bert(BertSpec.from_config(tb), cache_dir=tb.cache_dir or None,
                                     pretrain_corpus=tb.pretrain_corpus, pretrain_steps=tb.pretrain_steps)
-        self.decoder = TargetBertDecoder(resolved_tgt, vocab_size, pad_id, tb.freeze, cfg.fwet, plm_dropout)
+        self.decoder = TargetBertDecoder(resolved_tgt, vocab_size, pad_id, tb.freeze, cfg.fwet, plm_dropout,
+                                         tb.activation_checkpointing)
         h_tgt = self.decoder.hidden_size
         self.tgt_proj = nn.Linear(h_tgt, d) if h_tgt != d else nn.Identity()
         # Coordinator.
