@@ -5,11 +5,11 @@ Evaluated on both Multi30k test sets; run with ``--seeds 3`` for a test across s
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import MINILM, WARM_START
+from search_spaces.protocols import MINILM, STAGE, WARM_START
 
 STUDY = "bert_benefit"
 DEFAULTS = {**MINILM, "data.test_splits": ["test_2016_flickr", "test_2017_flickr"]}
-BUDGET = {"train.max_epochs": 5}
+BUDGET = {**STAGE, "train.max_epochs": 5}  # the shared second-stage schedule, 5 epochs
 
 SPACES = {
     "bert_fused": SearchSpace(

@@ -120,3 +120,23 @@ def test_every_bert_study_runs_under_the_protocol():
         if space.study != "transformer_grid":
             assert space.protocol is not None and space.protocol.control, space.name
             assert space.cells()[0].control, space.name
+
+
+def test_the_protocol_line_states_the_arms_schedule():
+    """The report's protocol line says how the arms and the control were trained after the warm start, so a
+    reader sees a schedule shorter than the paper's instead of assuming it."""
+    from nmtcore.sweep.driver import describe_protocol
+    from search_spaces.protocols import STAGE
+
+    space = SearchSpace("s", "v", "bert_fused", params={"model.p_net": grid((0.5, 1.0))}, protocol=WARM_START,
+                        budget=STAGE)
+    line = describe_protocol(space, None)
+    assert "control arm: yes" in line and "second stage, arms and control alike" in line
+    for key, value in STAGE.items():
+        assert f"{key}={value:g}" in line if isinstance(value, float) else f"{key}={value}" in line
+    assert "not to convergence" in line
+    patient = SearchSpace("s", "v", "bert_fused", params={"model.p_net": grid((0.5, 1.0))}, protocol=FROM_SCRATCH,
+                          budget={"train.max_epochs": 50, "train.patience": 5})
+    line = describe_protocol(patient, None)
+    assert line.startswith("arms from scratch") and "budget, arms and control alike" in line
+    assert "not to convergence" not in line

@@ -232,7 +232,12 @@ def describe_protocol(space: SearchSpace, made: Any) -> str:
         return "none: trials compared with the space's reference"
     start = (f"warm-started from baseline {made.key} ({'converged' if made.converged else 'STILL IMPROVING'})"
              if made is not None else "warm-started from the sweep's baseline" if p.warm_start else "from scratch")
-    return f"arms {start}; control arm: {'yes' if p.control else 'no'}"
+    budget = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(space.budget.items()))
+    stage = (("second stage" if p.warm_start else "budget") + ", arms and control alike: "
+             + (budget or "the base experiment's"))
+    if "train.max_epochs" in space.budget and not space.budget.get("train.patience"):
+        stage += " (a fixed number of epochs, not to convergence)"
+    return f"arms {start}; control arm: {'yes' if p.control else 'no'}; {stage}"
 
 
 def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str, str], dict[str, BertFootprint]]:
