@@ -37,11 +37,12 @@ def checkpoint_layers(layers: Iterable[nn.Module]) -> int:
     """Checkpoint each of ``layers`` (idempotent); returns how many layers are checkpointed."""
     n = 0
     for layer in layers:
-        if not isinstance(layer.__dict__.get("forward"), _RecomputedForward):
+        if not is_checkpointed(layer):
             layer.forward = _RecomputedForward(layer)
         n += 1
     return n
 
 
 def is_checkpointed(layer: nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` has wrapped ``layer``."""
     return isinstance(layer.__dict__.get("forward"), _RecomputedForward)
