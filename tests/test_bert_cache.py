@@ -240,3 +240,42 @@ def test_feature_store_follows_select(setup) -> None:
     assert torch.equal(a, b)
     assert word_start_table(data.vocab).dtype == bool
     assert replace(cfg.data).resolved_cache_dir() in split.bert.features.path.parents
+
+
+def test_sweep_builds_the_trials_feature_cache_before_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The pre-sweep task builds exactly the cache a trial reads: the trial's trainer then finds every split
+    in it and computes nothing; a fine-tuned BERT gets no cache built for it."""
+    from nmtcore.engine import build_trainer
+    from nmtcore.sweep.ray_tasks import build_features
+    from nmtcore.testing.zoo import TINY_BERT
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64})
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
+        assert build_features(cfg) is True
+    assert sum("computed" in r.message for r in caplog.records) == 3  # train, valid, test
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
+        build_trainer(cfg.with_overrides({"train.seed": 2}))  # another seed of the same arm: same BERT input
+    assert sum("cache hit" in r.message for r in caplog.records) == 3
+    assert not any("computed" in r.message for r in caplog.records)
+
+    tuned = tiny_experiment(tmp_path / "tuned", **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],
+                                                   "model.bert.freeze": False, "model.d_model": 32, "model.ffn_dim": 64})
+    assert build_features(tuned) is False
+    assert not (Path(tuned.data.cache_dir) / "bert_features").exists()
+
+
+def test_feature_build_reports_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    """A long build says how far it is (the pre-sweep console turns the count into a bar)."""
+    from nmtcore.bert import features as feats
+
+    monkeypatch.setattr(feats, "PROGRESS_S", 0.0)
+    inputs = toy_inputs(n=20)
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
+        FeatureCache(tmp_path).get_or_build(key_for(inputs), inputs, CountingBert(), describe={"split": "train"},
+                                            batch_tokens=30)
+    counts = [r.message for r in caplog.records if ": sentences " in r.message]
+    assert counts and all(m.startswith("BERT features train: sentences ") and m.endswith("/20") for m in counts)
+    done = [int(m.split()[-1].split("/")[0]) for m in counts]
+    assert done == sorted(done) and done[-1] < 20  # rising; none after the last batch

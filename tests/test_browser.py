@@ -304,7 +304,8 @@ def test_ray_dashboard_signs_in_with_the_printed_token_and_lists_the_sweep(brows
         page.get_by_text("Ray Core Overview").first.wait_for(timeout=60_000)
         # The overview's progress bar unfolds into one row per task name (actor tasks under the actor's name).
         page.locator("[data-testid=progress-bar-segment]").first.click()
-        for task in (sweep_trial, "prepare data parallel xx-yy", "prepare BERT nmtcore-tiny-bert", "train baseline "):
+        for task in (sweep_trial, "prepare data parallel xx-yy", "prepare BERT nmtcore-tiny-bert",
+                     "prepare BERT features nmtcore-tiny-bert", "train baseline "):
             page.get_by_text(task).first.wait_for(timeout=60_000)
         page.wait_for_timeout(1000)
         shot(page, "ray_job_tasks.png")
@@ -323,4 +324,5 @@ def test_ray_dashboard_signs_in_with_the_printed_token_and_lists_the_sweep(brows
     # The console said what ran before the trials, with its progress.
     assert re.search(r"train baseline \w+: \[#+\.*\]\s+\d+% baseline \w+: epoch 1/2", out), out
     assert "prepare BERT " in out and "done in" in out
+    assert "prepare BERT features nmtcore-tiny-bert: done in" in out, out  # the trials' feature cache, made first
     print(f"\nRay dashboard check: {time.perf_counter() - t0:.0f} s in all, browser {t_browser:.0f} s")

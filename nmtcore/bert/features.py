@@ -41,6 +41,7 @@ log = logging.getLogger("nmtcore.bert")
 
 CACHE_FORMAT = 1  # bump when the meaning of stored files changes
 BUILD_TOKENS = 8192  # padded WordPieces per BERT batch while building
+PROGRESS_S = 15.0  # a build logs how far it is at most this often ("sentences 8000/29000")
 
 
 def weights_fingerprint(module: nn.Module) -> str:
@@ -178,6 +179,7 @@ def _build(tmp: Path, key: FeatureKey, inputs: BertInputs, compute: ComputeFn, b
     order = np.argsort(lens, kind="stable")  # length-sorted batches waste little padding
     features: np.ndarray | None = None
     start = 0
+    t_line = time.monotonic()
     while start < len(order):
         end = start + 1
         while end < len(order) and int(lens[order[end]]) * (end - start + 1) <= batch_tokens:
@@ -201,6 +203,9 @@ def _build(tmp: Path, key: FeatureKey, inputs: BertInputs, compute: ComputeFn, b
         for b, i in enumerate(idx):
             features[offsets[i]: offsets[i + 1]] = out16[b, : lens[i]]
         start = end
+        if time.monotonic() - t_line >= PROGRESS_S and start < len(order):
+            t_line = time.monotonic()
+            log.info("BERT features %s: sentences %d/%d", describe.get("split", ""), start, len(order))
     if features is None:  # an empty split: nothing to compute, but the entry must still exist
         features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(0, len(key.layers), 0))
     features.flush()

@@ -243,15 +243,19 @@ def describe_protocol(space: SearchSpace, made: Any) -> str:
 def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str, str], dict[str, BertFootprint]]:
     """Prepare once, before the trials, what parallel trials would otherwise each make, each as a named Ray
     task on the driver's node (the dashboard lists them; the console shows their progress): the data ("prepare
-    data ...": fails fast on missing data; the vocabulary is cached) and every distinct BERT of the grid
-    ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`).
+    data ...": fails fast on missing data; the vocabulary is cached), every distinct BERT of the grid
+    ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`)
+    and, for a frozen BERT, the feature cache its trials read ("prepare BERT features ...").
     Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
     checksums = ray_tasks.prepare_data_task(base.data)
     footprints: dict[str, BertFootprint] = {}
     for cfg in distinct_berts(space, base):
         b = cfg.model.bert
         what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
-        _, footprints[bert_key(cfg)] = ray_tasks.ensure_bert_task(cfg, what)
+        made, footprints[bert_key(cfg)] = ray_tasks.ensure_bert_task(cfg, what)
+        b = made.model.bert
+        if b.freeze and b.use_cache and not b.dropout_when_frozen:  # what the trials read, made once here
+            ray_tasks.bert_features_task(made, what)
     return checksums, footprints
 
 

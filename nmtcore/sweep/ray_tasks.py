@@ -21,9 +21,12 @@ from typing import Any, Callable, TypeVar
 
 import ray
 
+from nmtcore.bert import prepare_bert_inputs
 from nmtcore.bert.ensure import ensure_bert_resolved
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import prepare_data
+from nmtcore.engine import setup_torch
+from nmtcore.models import build_model, prepare_model_resources
 from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
 from nmtcore.sweep.memory import BertFootprint
 from nmtcore.sweep.ray_cluster import cluster_nodes, remove_leaked_placement_groups
@@ -97,7 +100,7 @@ class PhaseProgress:
     of work ("step 300/1000", "epoch 2/10"), "still running" when it is silent for :data:`HEARTBEAT_S`, and
     how long it took."""
 
-    UNIT = re.compile(r"\b(step|epoch|update)s? (\d+)/(\d+)\b")
+    UNIT = re.compile(r"\b(step|epoch|update|sentence)s? (\d+)/(\d+)\b")
 
     def __init__(self, name: str, out: Callable[[str], None] | None = None) -> None:
         self.name = name
@@ -239,6 +242,25 @@ def _ensure_bert_footprint(cfg: ExperimentConfig,
     made, resolved = ensure_bert_resolved(cfg, progress=progress, quality=True)
     assert resolved is not None  # distinct_berts hands over BERT-consuming configs only
     return made, BertFootprint.of_directory(resolved.path)
+
+
+def bert_features_task(cfg: ExperimentConfig, what: str) -> bool:
+    """Build the frozen-feature cache of ``cfg``'s BERT as the task "prepare BERT features <what>" (minutes
+    for a wide BERT on the whole corpus, with a line per ~15 s of it), so that no trial spends its slot on it
+    silently; every trial then finds it. Returns whether the model reads cached features at all."""
+    return run_pre_sweep_task(f"prepare BERT features {what}", build_features, cfg)
+
+
+def build_features(cfg: ExperimentConfig) -> bool:
+    """The feature cache that a trial of ``cfg`` reads, built the way its trainer builds it (data prepared,
+    the registered model built, its BERT stream attached: the same cache keys). ``cfg``'s BERT must exist
+    already. Returns whether the model reads cached features (False: its BERT trains or runs every step)."""
+    setup_torch(cfg)
+    data = prepare_data(cfg.data)
+    cfg = prepare_model_resources(cfg, data)
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+    layer = prepare_bert_inputs(model, data)
+    return layer is not None and layer.cache_wanted
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:
