@@ -21,8 +21,9 @@ def hyps(quality: float, seed: int) -> list[str]:
     return [r if rng.random() < quality else "ein haus steht" for r in REFS]
 
 
-def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete"):
-    """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses."""
+def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None):
+    """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
+    ``curves``: (validation losses, validation BLEUs) per epoch instead of the default two epochs."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
             "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
@@ -34,8 +35,9 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
     from nmtcore.bleu import corpus_bleu, corpus_chrf
 
     same_as = {"layers=4, hidden=128": 0.5}.get(label, quality if isinstance(quality, float) else 0.4)
-    for epoch in (1, 2):
-        run.log_metrics({"valid_loss": 5.0 - epoch * same_as + seed, "valid_bleu": epoch}, step=epoch)
+    losses, bleus = curves or ([5.0 - epoch * same_as + seed for epoch in (1, 2)], [1.0, 2.0])
+    for epoch, (loss, valid_bleu) in enumerate(zip(losses, bleus), start=1):
+        run.log_metrics({"valid_loss": loss, "valid_bleu": valid_bleu}, step=epoch)
     if state != "complete":
         run.set_tags({lifecycle.TRIAL_STATE_TAG: state, **({tracking.FAILURE_REASON_TAG: "NonFiniteLossError: "
                                                             "non-finite training loss (nan) at update 7"}
@@ -167,3 +169,24 @@ def test_report_command_line(sweep_store, tmp_path):
     r = subprocess.run([sys.executable, "-m", "nmtcore.cli", "report", "--sweep", "nope", "--tracking-uri", uri],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == f"nmtcore: error: no sweep named 'nope' in {uri}"
+
+
+def test_an_arm_whose_bleu_still_rises_is_not_called_converged(tmp_path):
+    """Validation loss levelled off but validation BLEU still climbing (a warm-started fused model) is flagged,
+    like a falling loss; flat curves are converged."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="toy", tags={
+        lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "model.p_net",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.5, control=True, curves=([4.00, 3.90, 3.90], [33.7, 34.9, 34.6]))
+    add_trial(parent, tmp_path, 1, 1, "p_net=1", 0.5, {"model.p_net": 1.0},
+              curves=([4.10, 4.00, 4.00], [30.7, 32.9, 33.4]))
+    parent.end()
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    flagged = {g.label: g.still_improving for g in rep.groups}
+    assert flagged == {"control": 0, "p_net=1": 1}, flagged
+    assert [w for w in rep.warnings if "still rising" in w] == [
+        "p_net=1: validation loss still falling or validation BLEU still rising at the last epoch in 1 run(s): "
+        "the budget stopped it before it converged"]
+    assert results.bleu_still_rising([30.7, 32.9, 33.4]) and not results.bleu_still_rising([33.7, 34.9, 34.6])
+    assert not results.bleu_still_rising([34.0, 34.05])  # within the tolerance: noise, not progress
