@@ -62,6 +62,7 @@ SPACES = {
                                       "model.adaptive_fusion": False},
         },
         reference="M0_full", citation="two-stage interactive fusion (seed 004), Table 4 (M0-M3)",
+        report_metrics=("valid_masked_fraction",),
         description="mask-fusion ablation: multi-layer BERT fusion, mask knowledge matrix, adaptive fusion"),
     # PLM-sponsored loss ablation (Table 3): L = (α·L_NMT + (1 − α)·L_KD) + L_MLM + L_T (Eq. 9). Every arm
     # sets every switch (nmtcore.models.plm_sponsored), so a base config cannot leak one into another arm;

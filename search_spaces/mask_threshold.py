@@ -16,15 +16,17 @@ STUDY = "mask_threshold"
 MODEL = "mask_fusion"
 KEY = "model.mask_threshold"
 DEFAULTS = MINILM
+MASKED = ("valid_masked_fraction",)  # the report's column beside BLEU: what each θ masked
 
 SPACES = {
     "paper": SearchSpace(
         STUDY, "paper", MODEL, params={KEY: grid(steps(0.0, 0.05, 0.01))}, protocol=WARM_START, budget=STAGE,
         defaults=DEFAULTS, plot=Curve(KEY), citation="two-stage interactive fusion (seed 004), Table 5",
+        report_metrics=MASKED,
         description="mask threshold θ in {0, 0.01, ..., 0.05} (the paper's grid)"),
     "optuna": SearchSpace(
         STUDY, "optuna", MODEL, params={KEY: uniform(0.0, 0.05)}, num_samples=12, early_stopping=True,
-        protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY),
+        protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY), report_metrics=MASKED,
         description="mask threshold θ ~ U[0, 0.05], Optuna TPE + ASHA"),
 }
 DEFAULT = "paper"

@@ -190,3 +190,28 @@ def test_an_arm_whose_bleu_still_rises_is_not_called_converged(tmp_path):
         "the budget stopped it before it converged"]
     assert results.bleu_still_rising([30.7, 32.9, 33.4]) and not results.bleu_still_rising([33.7, 34.9, 34.6])
     assert not results.bleu_still_rising([34.0, 34.05])  # within the tolerance: noise, not progress
+
+
+def test_a_space_s_report_metrics_get_a_column_per_arm(tmp_path):
+    """The θ study's table shows what each θ masked: the space's report metric, last epoch, mean over seeds."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    space = {"metric": "valid_bleu", "report_metrics": ["valid_masked_fraction"]}
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="toy", tags={
+        lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "model.mask_threshold",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps(space)})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.5, control=True)
+    for index, (seed, theta, fractions) in enumerate([(1, 0.01, [0.3, 0.02]), (2, 0.01, [0.2, 0.04]),
+                                                      (1, 0.05, [0.1, 0.24])], start=1):
+        add_trial(parent, tmp_path, seed, index, f"mask_threshold={theta}", 0.5, {"model.mask_threshold": theta})
+        run = next(r for r in lifecycle.sweep_children(parent.run_id, uri)
+                   if r.tags.get(lifecycle.ARM_TAG) == f"mask_threshold={theta}" and r.tags.get("nmtcore.seed") == str(seed))
+        for epoch, fraction in enumerate(fractions, start=1):
+            tracking.Tracker(uri, run_id=run.run_id).log_metrics({"valid_masked_fraction": fraction}, step=epoch)
+    parent.end()
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    rows = {r["arm"]: r for r in report.json_rows(rep)}
+    assert rows["mask_threshold=0.01"]["valid_masked_fraction"] == pytest.approx(0.03)  # (0.02 + 0.04) / 2
+    assert rows["mask_threshold=0.05"]["valid_masked_fraction"] == pytest.approx(0.24)
+    assert rows["control"]["valid_masked_fraction"] is None
+    table = report.render_markdown(rep)
+    assert "valid_masked_fraction (last epoch)" in table and "| 0.0300 |" in table and "| 0.2400 |" in table

@@ -63,6 +63,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "still_improving": g.still_improving, "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
                 "bert": g.bert, "bert_layers": g.bert_layers, "bert_hidden": g.bert_hidden,
                 "bert_quality": g.bert_quality, "trials": {s: n for s, n in sorted(g.status.items())},
+                **{name: mean(g.extra.get(name, [])) for name in report.space.get("report_metrics") or []},
             })
     return rows
 
@@ -79,6 +80,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             **{short(k): fmt(row[short(k)]) if short(k) in row else "" for k in report.varied_keys if k != "arm"},
             "seeds": str(row["n_seeds"]),
             "BLEU": _pm(row["bleu_mean"], row["bleu_sd"]), "chrF": _f(row["chrf_mean"]),
+            **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
             "p (seeds)": "ref" if is_ref else p_seeds,

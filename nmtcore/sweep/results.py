@@ -72,6 +72,7 @@ class Group:
     bert_layers: int | None = None
     bert_hidden: int | None = None
     bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
+    extra: dict[str, list[float]] = field(default_factory=dict)  # the space's report_metrics: last value per run
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
 
 
@@ -109,7 +110,8 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
         by_key.setdefault(run.tags.get(CONFIG_KEY_TAG, run.run_id), []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: c["valid_loss"] for run_id, c in curves.items()}
-    groups = [_group(key, runs, varied, splits, metric, curves) for key, runs in by_key.items()]
+    groups = [_group(key, runs, varied, splits, metric, curves, space.get("report_metrics") or [])
+              for key, runs in by_key.items()]
     groups.sort(key=lambda g: (not g.control, g.order, g.config_key))
     reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
     warnings: list[str] = []
@@ -152,7 +154,7 @@ def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
 
 
 def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: list[str], metric: str,
-           curves: dict[str, dict[str, list[float]]]) -> Group:
+           curves: dict[str, dict[str, list[float]]], extra: list[str]) -> Group:
     first = runs[0]
     control = first.tags.get(CONTROL_TAG) == "true"
     values = {} if control else {k: _parse(first.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in first.tags}
@@ -187,6 +189,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
         g.still_improving += still_improving(history) or bleu_still_rising(curve.get("valid_bleu", []))
+        for name in extra:
+            if name in r.metrics:  # the run's last logged value
+                g.extra.setdefault(name, []).append(r.metrics[name])
         for attr, metric_key in (("updates", "final/num_updates"), ("wall_s", "cost/wall_s"), ("cpu_s", "cost/cpu_s")):
             if metric_key in r.metrics:
                 getattr(g, attr).append(r.metrics[metric_key])

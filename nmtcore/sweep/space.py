@@ -219,6 +219,8 @@ class SearchSpace:
             the entry points to the base config *before* the user's ``--set``, which therefore wins.
         protocol: how arms are trained and compared (:class:`Protocol`); ``None`` = plain trials, compared
             with ``reference`` (a study that tunes the baseline itself).
+        report_metrics: per-epoch metrics the trials log that the report shows per arm beside BLEU (their
+            last epoch's value, mean over seeds): e.g. the θ study's ``valid_masked_fraction``.
     """
 
     study: str
@@ -238,6 +240,7 @@ class SearchSpace:
     budget: Mapping[str, Any] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     protocol: Protocol | None = None
+    report_metrics: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         name = self.name
@@ -415,4 +418,5 @@ class SearchSpace:
                     "baseline_model": self.protocol.baseline_model,
                     "baseline_budget": dict(self.protocol.baseline_budget)},
                 "plot": plot, "description": self.description, "citation": self.citation,
-                "budget": dict(self.budget), "defaults": dict(self.defaults)}
+                "budget": dict(self.budget), "defaults": dict(self.defaults),
+                "report_metrics": list(self.report_metrics)}
