@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import urllib.request
@@ -255,6 +256,12 @@ def _nodes_missing(path: str) -> list[str]:
         marker.unlink(missing_ok=True)
 
 
+def how_many(total: float, each: float) -> int:
+    """How many ``each`` fit in ``total``, as Ray counts fractional resources: 5 × 0.4 CPU fit in 2 (floor
+    division says 4: 0.4 is stored a little above 0.4), 10 × 0.1 GPU in 1."""
+    return int(total / each + 1e-9)
+
+
 def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
     """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs) fit on
     it and, with ``trial_bytes`` (a trial worker's memory estimate, :mod:`nmtcore.sweep.memory`), whose memory
@@ -267,10 +274,10 @@ def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
     limits: list[str] = []
     for node in cluster_nodes():
         biggest = {k: max(biggest[k], node[k]) for k in biggest}
-        n = int(node["cpus"] // per_node_cpus + 1e-9) if per_node_cpus else 0
+        n = how_many(node["cpus"], per_node_cpus) if per_node_cpus else 0
         if settings.gpus_per_trial:
             per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
-            n = min(n, int(node["gpus"] // per_node_gpus + 1e-9))
+            n = min(n, how_many(node["gpus"], per_node_gpus))
         if trial_bytes:
             by_memory = int(node["memory"] // trial_bytes)
             if by_memory < n:
@@ -289,6 +296,28 @@ def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
     for line in limits:
         log.warning("fewer trials at once than CPUs allow: %s", line)
     return total
+
+
+MAX_TRIALS_PER_CPU = 3  # an even share never goes below a third of a CPU per trial
+
+
+def even_cpu_share(settings: SweepSettings, n_trials: int, trial_bytes: int = 0) -> float | None:
+    """CPUs per trial that run all ``n_trials`` at once on a one-node cluster, sharing its CPUs evenly, where
+    ``settings.cpus_per_trial`` would run them in waves whose last one leaves CPUs idle (5 trials on 2 CPUs:
+    three waves, one core idle through the third; at 0.4 CPU each both cores stay busy to the end). None when
+    the waves are all full, the trials are too many for the CPUs (more than :data:`MAX_TRIALS_PER_CPU` each) or
+    for the node's memory, or the trials use GPUs or several workers."""
+    nodes = cluster_nodes()
+    if len(nodes) != 1 or settings.gpus_per_trial or settings.workers_per_trial != 1:
+        return None
+    cpus = nodes[0]["cpus"]
+    slots = how_many(cpus, settings.cpus_per_trial)
+    if slots < 1 or n_trials <= slots or n_trials % slots == 0 or n_trials > MAX_TRIALS_PER_CPU * cpus:
+        return None
+    share = math.floor(100 * cpus / n_trials) / 100  # two decimals, rounded down: n shares fit in the node
+    if trial_bytes and int(nodes[0]["memory"] // trial_bytes) < n_trials:
+        return None
+    return share
 
 
 def ray_is_running() -> bool:
