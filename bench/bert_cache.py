@@ -2,15 +2,20 @@
 every step (the original BERT-fused code's behaviour, bert-nmt issue #18), and vs the plain baseline
 epoch, measured side by side in one run.
 
-The BERT-consuming model (``--model``): ``bert_fused`` (default; BERT-fused with drop-net, BERT's last
-layer attended from every encoder and decoder layer) or ``kd`` (the baseline distilling from a frozen
-BERT, ``train.kd_alpha=0.9``: the same Transformer plus the BERT stream, the teacher's states pooled per
-NMT token, a projection and the KD loss); ``model.bert.name=minilm`` by default. All three runs train one full epoch of the
-``multi30k_small`` preset (the trainer's own batches, same seed) through ``Trainer.train_epoch``. The
-cache is built (or found) before the cached epoch starts; its one-time cost is printed on its own line.
-Bar (the issue): cached epoch <= 1.3 x baseline epoch.
+The BERT-consuming models (``--model``, one or ``all``; each with a frozen BERT, ``model.bert.name=minilm``
+by default): ``bert_fused`` (BERT's last layer attended from every encoder and decoder layer, drop-net 1.0),
+``bert_jam`` (its first phase: every BERT layer through the GLU into joint attention, BERT frozen; the
+schedule scaled to fit), ``mask_fusion`` (multi-layer GLU fusion, the mask knowledge matrix, adaptive
+fusion), ``doc_context`` (BERT reading ``[CLS] context [SEP] sentence [SEP]`` with the fixed context, as
+Multi30k has no documents; gated context attention in both stacks) and ``kd`` (the baseline distilling from
+the frozen BERT, ``train.kd_alpha=0.9``: the BERT stream, the teacher's states pooled per NMT token, a
+projection and the KD loss). PLM-sponsored fine-tunes its BERTs, so it has no cached epoch: its cost per
+update is ``bench/finetune_memory.py``'s. Every run trains the ``multi30k_small`` preset's epoch (the
+trainer's own batches, same seed; ``--max-updates N`` times its first N updates) through
+``Trainer.train_epoch``, the baseline once. The cache is built (or found) before the cached epoch starts;
+its one-time cost is in that run's setup_s. Bar (the issue): cached epoch <= 1.3 x baseline epoch.
 
-  python bench/bert_cache.py --data-dir ../shared/data [--threads 2] [--bert minilm] [--model bert_fused|kd]
+  python bench/bert_cache.py --data-dir ../shared/data [--threads 2] [--bert minilm] [--model all]
                              [--max-updates N]
 """
 
@@ -28,6 +33,17 @@ import torch
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
 from nmtcore.engine import build_trainer, setup_torch
+
+
+# name -> (what it is, overrides on multi30k_small); each reads a frozen BERT (model.bert.name from --bert).
+MODELS = {
+    "bert_fused": ("BERT-fused, p_net 1.0", {"model.name": "bert_fused"}),
+    "bert_jam": ("BERT-JAM phase 1, BERT frozen", {"model.name": "bert_jam", "train.phase_scale": 0.1,
+                                                   "train.max_epochs": 6}),
+    "mask_fusion": ("mask fusion, theta 0.03", {"model.name": "mask_fusion"}),
+    "doc_context": ("document context, fixed context", {"model.name": "doc_context", "model.context_type": "fixed"}),
+    "kd": ("baseline + KD teacher, alpha 0.9", {"train.kd_alpha": 0.9}),
+}
 
 
 def epoch(cfg, data, label: str) -> dict[str, float]:
@@ -48,8 +64,8 @@ def main() -> int:
     p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bert", default="minilm", help="model.bert.name of the BERT-consuming model")
-    p.add_argument("--model", choices=("bert_fused", "kd"), default="bert_fused",
-                   help="the BERT-consuming model: BERT-fused, or the baseline with a KD teacher")
+    p.add_argument("--model", choices=(*MODELS, "all"), default="bert_fused",
+                   help="the BERT-consuming model (all: each in turn, against one baseline epoch)")
     p.add_argument("--precision", default="auto", help="train.precision (auto = bf16 where the CPU has it)")
     p.add_argument("--max-updates", type=int, default=0, help="time only the first N updates of each epoch")
     p.add_argument("--fresh-cache", action="store_true", help="delete the feature cache first (time its build)")
@@ -65,28 +81,28 @@ def main() -> int:
     cache = base.data.resolved_cache_dir() / "bert_features"
     if args.fresh_cache and cache.exists():
         shutil.rmtree(cache)
-    if args.model == "kd":
-        bert = {"train.kd_alpha": 0.9, "model.bert.name": args.bert}
-        what = "KD teacher, alpha 0.9"
-    else:
-        bert = {"model.name": "bert_fused", "model.bert.name": args.bert}
-        what = "BERT-fused, p_net 1.0"
     m = base.model
     print(f"threads={torch.get_num_threads()} precision={args.precision} model={m.encoder_layers}+{m.decoder_layers} "
           f"d={m.d_model} vocab={len(data.vocab)} max_tokens={base.data.max_tokens} "
-          f"train_sentences={len(data.train)} bert={args.bert} ({what}) "
+          f"train_sentences={len(data.train)} bert={args.bert} "
           f"updates_per_run={'full epoch' if not updates else updates}", flush=True)
 
     baseline = epoch(base, data, "baseline (no BERT)")
-    cached = epoch(base.with_overrides(bert), data, "BERT, cached features")
-    size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy")) / 2**20 if cache.exists() else 0.0
-    print(f"feature cache: {cache} ({size:.0f} MiB on disk); first-time build is part of the setup_s above "
-          "(0 s extra once cached: reused across epochs, phases and sweep trials)", flush=True)
-    recompute = epoch(base.with_overrides({**bert, "model.bert.use_cache": False}), data, "BERT, recomputed every step")
-
-    print(f"RESULT cached/baseline={cached['epoch_s'] / baseline['epoch_s']:.3f} (bar <= 1.3) "
-          f"recompute/baseline={recompute['epoch_s'] / baseline['epoch_s']:.3f} "
-          f"recompute/cached={recompute['epoch_s'] / cached['epoch_s']:.3f}", flush=True)
+    results = []
+    for name in (MODELS if args.model == "all" else [args.model]):
+        what, overrides = MODELS[name]
+        bert = {**overrides, "model.bert.name": args.bert}
+        cached = epoch(base.with_overrides(bert), data, f"{name} ({what}), cached features")
+        size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy")) / 2**20 if cache.exists() else 0.0
+        print(f"feature cache: {cache} ({size:.0f} MiB on disk, all entries); a first-time build is part of the "
+              "setup_s above (none once cached: reused across epochs, phases and sweep trials)", flush=True)
+        recompute = epoch(base.with_overrides({**bert, "model.bert.use_cache": False}), data,
+                          f"{name} ({what}), BERT recomputed every step")
+        results.append(f"RESULT {name}: cached/baseline={cached['epoch_s'] / baseline['epoch_s']:.3f} (bar <= 1.3) "
+                       f"recompute/baseline={recompute['epoch_s'] / baseline['epoch_s']:.3f} "
+                       f"recompute/cached={recompute['epoch_s'] / cached['epoch_s']:.3f}")
+        print(results[-1], flush=True)
+    print("\n".join(["summary:", *results]), flush=True)
     return 0
 
 

@@ -164,7 +164,8 @@ def test_a_partial_last_wave_becomes_an_even_share_of_the_cpus(monkeypatch, tmp_
     assert rayc.even_cpu_share(settings, 3) == 0.66
     assert rayc.even_cpu_share(settings, 4) is None  # two full waves: nothing idles
     assert rayc.even_cpu_share(settings, 2) is None  # one wave
-    assert rayc.even_cpu_share(settings, 7) is None  # more than 3 trials per CPU: waves
+    assert rayc.even_cpu_share(settings, 7) == 0.28  # the θ grid and its control
+    assert rayc.even_cpu_share(settings, 9) is None  # more than 4 trials per CPU: waves
     assert rayc.even_cpu_share(settings, 5, int(5 * GIB)) is None  # 4 fit in memory, not 5
     assert rayc.even_cpu_share(replace(settings, gpus_per_trial=0.5), 5) is None
     monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node, {**node, "node_id": "b" * 16}])

@@ -298,7 +298,7 @@ def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
     return total
 
 
-MAX_TRIALS_PER_CPU = 3  # an even share never goes below a third of a CPU per trial
+MAX_TRIALS_PER_CPU = 4  # an even share never goes below a quarter of a CPU per trial
 
 
 def even_cpu_share(settings: SweepSettings, n_trials: int, trial_bytes: int = 0) -> float | None:
