@@ -234,3 +234,21 @@ def test_ddp_trial_with_two_workers(ray_cluster, store, tmp_path):
     assert child.tags["nmtcore.world_size"] == "2" and child.status == "FINISHED"
     assert child.params["train.num_threads"] == "1"  # 2 CPUs over 2 workers
     assert "test/test/bleu" in child.metrics
+
+
+def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
+    """Ray reports a finished task's CPUs free a moment later: the next task takes both CPUs, not one; CPUs that
+    another sweep really holds are given up on after the settling time."""
+    reports = iter([1.0, 1.0, 2.0])
+    monkeypatch.setattr(rayt.ray, "available_resources", lambda: {"CPU": next(reports)})
+    monkeypatch.setattr(rayt.time, "sleep", lambda s: None)
+    assert rayt.free_cpus(2.0) == 2.0
+    clock = [0.0]
+
+    def tick() -> float:
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(rayt.ray, "available_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(rayt.time, "monotonic", tick)
+    assert rayt.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8

@@ -160,6 +160,16 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
+def free_cpus(cpus: float, settle_s: float = 5.0) -> float:
+    """The CPUs Ray has free now, waiting up to ``settle_s`` for all ``cpus`` to come back: Ray reports a task's
+    CPUs free a moment after the task ended, so the next pre-sweep task would otherwise take 1 of 2 CPUs (and
+    run on one thread) for no reason; what another sweep really holds stays held, and we go on without it."""
+    deadline = time.monotonic() + settle_s
+    while (free := ray.available_resources().get("CPU", 0.0)) < cpus and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
 def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float = 0.0,
                        progress_kw: str | None = None, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` as a Ray task named ``name`` (so the dashboard lists it, under the sweep's
@@ -174,7 +184,7 @@ def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float 
     # Reserve the node's CPUs, or what is free of them: a reservation another sweep of this process left
     # behind (a stopped trial's worker group) must not make this task wait forever for CPUs that never free.
     remove_leaked_placement_groups()
-    reserve = max(1.0, min(cpus, float(int(ray.available_resources().get("CPU", 0.0)))))
+    reserve = max(1.0, min(cpus, float(int(free_cpus(cpus)))))
     env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
     progress = PhaseProgress(name)
     progress.started(f"Ray task, {reserve:g} CPU{'s' if reserve != 1 else ''}" + (f", {gpus:g} GPU" if gpus else "")
