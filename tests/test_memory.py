@@ -153,46 +153,6 @@ def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_
     assert len(children) == 2 and all(float(c.tags[MEMORY_TAG]) > 0 for c in children)
 
 
-def test_a_partial_last_wave_becomes_an_even_share_of_the_cpus(monkeypatch, tmp_path) -> None:
-    """5 trials on 2 CPUs would run in 3 waves, one core idle through the third: all 5 at once, 0.4 CPU each,
-    when memory holds them; full waves, too many trials, too little memory or several nodes keep the waves."""
-    node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 0.0, "memory": 20.0 * GIB}
-    monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node])
-    settings = tiny_settings(tmp_path, "share", "sqlite:///x.db")
-    assert rayc.even_cpu_share(settings, 5, int(2 * GIB)) == 0.4
-    assert rayc.trials_that_fit(replace(settings, cpus_per_trial=0.4), int(2 * GIB)) == 5  # as run_tune packs them
-    assert rayc.even_cpu_share(settings, 3) == 0.66
-    assert rayc.even_cpu_share(settings, 4) is None  # two full waves: nothing idles
-    assert rayc.even_cpu_share(settings, 2) is None  # one wave
-    assert rayc.even_cpu_share(settings, 7) == 0.28  # the θ grid and its control
-    assert rayc.even_cpu_share(settings, 9) is None  # more than 4 trials per CPU: waves
-    assert rayc.even_cpu_share(settings, 5, int(5 * GIB)) is None  # 4 fit in memory, not 5
-    assert rayc.even_cpu_share(replace(settings, gpus_per_trial=0.5), 5) is None
-    monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node, {**node, "node_id": "b" * 16}])
-    assert rayc.even_cpu_share(settings, 5) is None  # a cluster: Ray spreads trials over nodes itself
-
-
-def test_the_sweep_shares_cpus_for_a_grid_only(monkeypatch, tmp_path, capsys) -> None:
-    """The driver applies the share to a grid study without ASHA, says so on the console, and leaves sampled
-    spaces, ASHA, an explicit --max-concurrent and --no-share-cpus alone."""
-    from nmtcore.sweep import driver
-    from nmtcore.sweep.space import SearchSpace, grid, uniform
-
-    node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 0.0, "memory": 20.0 * GIB}
-    monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node])
-    space = SearchSpace("s", "g", "transformer", params={"model.d_model": grid((32, 48, 64, 80))})
-    settings = tiny_settings(tmp_path, "share", "sqlite:///x.db")
-    three = replace(space, params={"model.d_model": grid((32, 48, 64))})
-    assert driver.share_cpus(three, settings, 0).cpus_per_trial == 0.66
-    assert "3 trials at once, 0.66 CPU each (1 thread): with 1 CPU each they would run in 2 waves" in capsys.readouterr().out
-    assert driver.share_cpus(space, settings, 0).cpus_per_trial == 1.0  # 4 trials: two full waves
-    for other in (replace(settings, share_cpus=False), replace(settings, max_concurrent=2),
-                  replace(settings, early_stopping=True)):
-        assert driver.share_cpus(three, other, 0).cpus_per_trial == 1.0
-    sampled = SearchSpace("s", "o", "transformer", params={"model.dropout": uniform(0.0, 0.3)}, num_samples=3)
-    assert driver.share_cpus(sampled, settings, 0).cpus_per_trial == 1.0
-
-
 def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> None:
     node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 1.0, "memory": 64.0 * GIB}
     monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node])

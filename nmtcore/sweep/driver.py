@@ -138,7 +138,6 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints = prepare_shared(base, space)
         trial_bytes = trial_memory_bytes(space, base, footprints)
-        settings = share_cpus(space, settings, trial_bytes)
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = ray_tasks.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
@@ -214,29 +213,6 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     return SweepResult(name=settings.name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
                        experiment_path=exp_dir, interrupted=interrupted, trials=trials, report_files=report_files,
                        dashboard_url=dashboard_url, wall_s=time.perf_counter() - t0)
-
-
-def share_cpus(space: SearchSpace, settings: SweepSettings, trial_bytes: int) -> SweepSettings:
-    """``settings`` with every trial of a grid study running at once on an even share of the CPUs where waves
-    of ``cpus_per_trial`` would leave CPUs idle in the last one (``settings.share_cpus``; not with ASHA, which
-    wants trials in turn, nor for a sampled space, whose sampler learns from finished trials)."""
-    early = space.early_stopping if settings.early_stopping is None else settings.early_stopping
-    if not settings.share_cpus or space.sampled or early or settings.max_concurrent:
-        return settings
-    n = expected_trials(space, settings.seeds, settings.num_samples)
-    # Per trial as run_tune packs it: the worker's estimate and the trial actor's own small reservation.
-    per_trial = trial_bytes + ray_backend.DRIVER_RESOURCES["memory"] if trial_bytes else 0
-    share = ray_cluster.even_cpu_share(settings, n, per_trial)
-    if share is None:
-        return settings
-    slots = ray_cluster.how_many(ray_cluster.cluster_nodes()[0]["cpus"], settings.cpus_per_trial)
-    waves = -(-n // slots)
-    threads = max(1, int(share))
-    print(f"{time.strftime('%H:%M:%S')} {n} trials at once, {share:g} CPU each ({threads} thread"
-          f"{'s' if threads > 1 else ''}): with "
-          f"{settings.cpus_per_trial:g} CPU each they would run in {waves} waves, the last one leaving CPUs idle "
-          "(--no-share-cpus keeps the waves)", flush=True)
-    return replace(settings, cpus_per_trial=share)
 
 
 def phases(space: SearchSpace, exp_dir: str) -> list[tuple[bool, str]]:

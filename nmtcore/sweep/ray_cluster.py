@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import urllib.request
@@ -296,28 +295,6 @@ def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
     for line in limits:
         log.warning("fewer trials at once than CPUs allow: %s", line)
     return total
-
-
-MAX_TRIALS_PER_CPU = 4  # an even share never goes below a quarter of a CPU per trial
-
-
-def even_cpu_share(settings: SweepSettings, n_trials: int, trial_bytes: int = 0) -> float | None:
-    """CPUs per trial that run all ``n_trials`` at once on a one-node cluster, sharing its CPUs evenly, where
-    ``settings.cpus_per_trial`` would run them in waves whose last one leaves CPUs idle (5 trials on 2 CPUs:
-    three waves, one core idle through the third; at 0.4 CPU each both cores stay busy to the end). None when
-    the waves are all full, the trials are too many for the CPUs (more than :data:`MAX_TRIALS_PER_CPU` each) or
-    for the node's memory, or the trials use GPUs or several workers."""
-    nodes = cluster_nodes()
-    if len(nodes) != 1 or settings.gpus_per_trial or settings.workers_per_trial != 1:
-        return None
-    cpus = nodes[0]["cpus"]
-    slots = how_many(cpus, settings.cpus_per_trial)
-    if slots < 1 or n_trials <= slots or n_trials % slots == 0 or n_trials > MAX_TRIALS_PER_CPU * cpus:
-        return None
-    share = math.floor(100 * cpus / n_trials) / 100  # two decimals, rounded down: n shares fit in the node
-    if trial_bytes and int(nodes[0]["memory"] // trial_bytes) < n_trials:
-        return None
-    return share
 
 
 def ray_is_running() -> bool:

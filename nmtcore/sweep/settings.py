@@ -48,9 +48,6 @@ class SweepSettings:
         cpus_per_trial / gpus_per_trial: resources of one trial, split evenly over its workers
             (fractional GPUs allowed); torch threads per worker follow the CPUs unless the config
             sets ``train.num_threads``.
-        share_cpus: a grid study (no ASHA) whose trials run in waves with a partial last one (5 trials, 2
-            CPUs) runs every trial at once with an even share of the node's CPUs instead, when they all fit in
-            its memory (:func:`nmtcore.sweep.ray_cluster.even_cpu_share`): no core idles through the last wave.
         max_failures: Tune retries of a crashed trial, each from its last checkpoint.
         controller_failure_limit: worker-group start timeouts tolerated before a trial fails.
         worker_start_timeout_s: how long one worker-group start may take.
@@ -82,8 +79,6 @@ class SweepSettings:
     reduction_factor: int = 2
     workers_per_trial: int = option(1, "Ray Train workers per trial (DDP if > 1)")
     cpus_per_trial: float = option(1.0, "CPUs of one trial")
-    share_cpus: bool = option(True, "a grid whose trials would leave CPUs idle in a last, partial wave runs them "
-                                    "all at once, sharing the CPUs evenly, when they fit in memory (one-node clusters)")
     gpus_per_trial: float = option(0.0, "GPUs of one trial; may be fractional (0.5: two trials per GPU)")
     max_failures: int = option(2, "retries of a crashed trial from its checkpoint")
     controller_failure_limit: int = 2
