@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import search_spaces
 from nmtcore import tracking
@@ -252,3 +253,59 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     monkeypatch.setattr(rayt.ray, "available_resources", lambda: {"CPU": 1.0})
     monkeypatch.setattr(rayt.time, "monotonic", tick)
     assert rayt.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
+
+
+def test_a_trial_trains_on_idle_cpus_of_its_node_and_gives_them_back(monkeypatch):
+    """The last wave's trial takes the idle core (after two checks: between two trials a CPU is free for a
+    moment only), shares idle CPUs evenly with the other running trials, and gives them back when Ray hands
+    them out; a failing probe changes nothing."""
+    from nmtcore.sweep.idle_cpus import BorrowIdleCpus, threads_to_use
+
+    assert threads_to_use(1, total=2, idle=1) == 2  # alone on 2 cores
+    assert threads_to_use(1, total=3, idle=1) == 1  # two trials, one idle core: neither takes it
+    assert threads_to_use(1, total=4, idle=2) == 2  # ... two idle cores: one each
+    # two 2-thread trials on 16 cores: 6 more each
+    assert threads_to_use(2, total=16, idle=12) == 8 and threads_to_use(1, total=2, idle=0) == 1
+    saved = torch.get_num_threads()
+    state = {"t": 0.0, "idle": 1.0}
+
+    def probe() -> tuple[float, float]:
+        if state["idle"] is None:
+            raise ConnectionError("cluster gone")
+        return 2.0, state["idle"]
+
+    try:
+        torch.set_num_threads(1)
+        borrow = BorrowIdleCpus(every_s=30.0, probe=probe, clock=lambda: state["t"])
+        borrow.on_train_start(None)  # first sight of the idle core: not yet
+        assert torch.get_num_threads() == 1
+        state["t"] = 10.0
+        borrow.on_log(None, {})  # within every_s: not even looked
+        assert torch.get_num_threads() == 1
+        state["t"] = 31.0
+        borrow.on_log(None, {})  # idle on two checks in a row: taken
+        assert torch.get_num_threads() == 2 and borrow.max_threads == 2
+        state["t"], state["idle"] = 62.0, 0.0  # Ray gave it to a new trial: given back at once
+        borrow.on_log(None, {})
+        assert torch.get_num_threads() == 1
+        state["t"], state["idle"] = 93.0, 1.0
+        borrow.on_log(None, {})
+        state["t"], state["idle"] = 124.0, None
+        borrow.on_log(None, {})
+        assert torch.get_num_threads() == 1 and borrow.max_threads == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_lone_trial_borrows_the_idle_cpu_and_a_full_wave_does_not(ray_cluster, store, tmp_path):
+    """In a real sweep on the 2-CPU test cluster: one trial alone trains on 2 threads once the idle CPU has
+    been seen twice; its run records it (nmtcore.max_threads). Off with --no-borrow-idle-cpus."""
+    space = SearchSpace("lone", "tiny", "transformer", params={"model.d_model": grid((32,))})
+    base = tiny_base(tmp_path, **{"train.log_interval": 1, "train.max_epochs": 3})
+    driver.run_sweep(space, base, tiny_settings(tmp_path, "lone", store, borrow_check_s=0.0), log_to_driver=False)
+    (child,) = runs_of("lone", store)[1]
+    assert child.tags["nmtcore.max_threads"] == "2"
+    driver.run_sweep(space, base, tiny_settings(tmp_path / "off", "lone-off", store, borrow_check_s=0.0,
+                                                borrow_idle_cpus=False), log_to_driver=False)
+    (child,) = runs_of("lone-off", store)[1]
+    assert "nmtcore.max_threads" not in child.tags

@@ -180,7 +180,9 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             threads_per_worker=max(1, int(settings.cpus_per_trial // workers)),
             controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
             test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
-            bert_footprints=footprints, trial_memory_bytes=trial_bytes)
+            bert_footprints=footprints, trial_memory_bytes=trial_bytes,
+            borrow_idle_cpus=settings.borrow_idle_cpus and workers == 1 and not settings.gpus_per_trial,
+            borrow_check_s=settings.borrow_check_s)
 
         interrupted = True
         report_files: list[str] = []

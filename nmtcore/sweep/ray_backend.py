@@ -72,6 +72,7 @@ from nmtcore.sweep.lifecycle import (
     open_child_run,
     set_trial_state,
 )
+from nmtcore.sweep.idle_cpus import BorrowIdleCpus
 from nmtcore.sweep.memory import GIB, trial_memory
 from nmtcore.sweep.plan import (
     SEED_KEY,
@@ -228,7 +229,8 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         train_loop_config={"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri,
                            "trial_key": key, "trial_id": trial_id, "test_split": ctx.test_split,
                            "metric": ctx.metric,
-                           "threads": ctx.threads_per_worker,
+                           "threads": ctx.threads_per_worker, "borrow_idle_cpus": ctx.borrow_idle_cpus,
+                           "borrow_check_s": ctx.borrow_check_s,
                            "gpus": ctx.gpus_per_worker * ctx.workers, "callbacks": list(ctx.trial_callbacks)},
         scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers, use_gpu=ctx.gpus_per_worker > 0,
                                                resources_per_worker=resources),
@@ -307,6 +309,9 @@ def _train_loop(lc: dict[str, Any]) -> None:
         tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
         callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
                                         {"nmtcore.tune_trial_id": lc["trial_id"]}))
+    borrow = BorrowIdleCpus(lc.get("borrow_check_s", 30.0)) if lc.get("borrow_idle_cpus") else None
+    if borrow is not None:
+        callbacks.append(borrow)
     callbacks += lc.get("callbacks", [])
     # Rank 0's tracker ends the child run: FINISHED, or FAILED with the one-line reason.
     with tracker if tracker is not None else contextlib.nullcontext():
@@ -329,6 +334,8 @@ def _train_loop(lc: dict[str, Any]) -> None:
         final.update({"test_bleu": test.bleu if test else float("nan"),
                       "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
                       "node_ids": ",".join(node_ids)})
+        if borrow is not None and tracker is not None:
+            tracker.set_tags({"nmtcore.max_threads": borrow.max_threads})  # > train.num_threads: idle CPUs were used
         ray.train.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
 
 

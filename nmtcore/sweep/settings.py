@@ -45,6 +45,8 @@ class SweepSettings:
         early_stopping: ASHA on the space's metric; ``None`` = the space's default.
         grace_period / reduction_factor: ASHA's minimum epochs and halving rate.
         workers_per_trial: Train workers per trial (DDP when > 1).
+        borrow_idle_cpus: single-worker CPU trials on a single-node cluster raise their torch threads onto
+            CPUs no Ray work holds and give them back when Ray hands them out (:mod:`nmtcore.sweep.idle_cpus`).
         cpus_per_trial / gpus_per_trial: resources of one trial, split evenly over its workers
             (fractional GPUs allowed); torch threads per worker follow the CPUs unless the config
             sets ``train.num_threads``.
@@ -80,6 +82,9 @@ class SweepSettings:
     workers_per_trial: int = option(1, "Ray Train workers per trial (DDP if > 1)")
     cpus_per_trial: float = option(1.0, "CPUs of one trial")
     gpus_per_trial: float = option(0.0, "GPUs of one trial; may be fractional (0.5: two trials per GPU)")
+    borrow_idle_cpus: bool = option(True, "a running trial trains on more threads while CPUs of its (single) node "
+                                          "are idle, e.g. in a sweep's last wave (nmtcore.sweep.idle_cpus)")
+    borrow_check_s: float = 30.0  # how often a trial looks for idle CPUs (and for lent ones taken back)
     max_failures: int = option(2, "retries of a crashed trial from its checkpoint")
     controller_failure_limit: int = 2
     worker_start_timeout_s: float = 120.0

@@ -88,6 +88,8 @@ class SweepContext:
     metric: str
     test_split: str
     trial_callbacks: tuple[Any, ...] = ()
+    borrow_idle_cpus: bool = False  # single-worker CPU trials only (:mod:`nmtcore.sweep.idle_cpus`)
+    borrow_check_s: float = 30.0
     bert_footprints: Mapping[str, BertFootprint] = field(default_factory=dict)  # by plan.bert_key
     trial_memory_bytes: int = 0  # the largest trial's estimate (sets how many run at once)
 
