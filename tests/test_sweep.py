@@ -276,7 +276,7 @@ def test_a_trial_trains_on_idle_cpus_of_its_node_and_gives_them_back(monkeypatch
 
     try:
         torch.set_num_threads(1)
-        borrow = BorrowIdleCpus(every_s=30.0, probe=probe, clock=lambda: state["t"])
+        borrow = BorrowIdleCpus(probe, every_s=30.0, clock=lambda: state["t"])
         borrow.on_train_start(None)  # first sight of the idle core: not yet
         assert torch.get_num_threads() == 1
         state["t"] = 10.0

@@ -26,16 +26,6 @@ from nmtcore.engine import Callback, Trainer
 logger = logging.getLogger(__name__)
 
 
-def ray_idle_cpus() -> tuple[float, float]:
-    """(CPUs of the cluster, CPUs no Ray work holds) on a single-node cluster; (0, 0) otherwise."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) != 1:
-        return 0.0, 0.0
-    return float(nodes[0]["Resources"].get("CPU", 0.0)), float(ray.available_resources().get("CPU", 0.0))
-
-
 def threads_to_use(own: int, total: float, idle: float) -> int:
     """A trial's threads: its ``own`` plus its even share of the ``idle`` CPUs among the trials that hold the
     ``total - idle`` busy ones (each assumed to hold ``own``, as a sweep's trials do)."""
@@ -48,8 +38,10 @@ class BorrowIdleCpus(Callback):
     """Raises torch's threads onto idle CPUs of the node (see the module docstring); every change is logged
     and counted (``max_threads``)."""
 
-    def __init__(self, every_s: float = 30.0, probe: Callable[[], tuple[float, float]] = ray_idle_cpus,
+    def __init__(self, probe: Callable[[], tuple[float, float]], every_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``probe()`` says (CPUs of the trial's node, CPUs of it no Ray work holds); (0, 0) turns lending off
+        (:func:`nmtcore.sweep.ray_cluster.single_node_idle_cpus`)."""
         self.every_s, self.probe, self.clock = every_s, probe, clock
         self.own = 0
         self.max_threads = 0

@@ -82,7 +82,7 @@ from nmtcore.sweep.plan import (
     trial_overrides,
     trial_point,
 )
-from nmtcore.sweep.ray_cluster import remove_leaked_placement_groups, trials_that_fit
+from nmtcore.sweep.ray_cluster import remove_leaked_placement_groups, single_node_idle_cpus, trials_that_fit
 from nmtcore.sweep.ray_tasks import HEARTBEAT_S, PhaseProgress, console_line, duration
 from nmtcore.sweep.settings import SweepSettings, is_uri
 from nmtcore.sweep.space import (
@@ -309,7 +309,8 @@ def _train_loop(lc: dict[str, Any]) -> None:
         tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
         callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
                                         {"nmtcore.tune_trial_id": lc["trial_id"]}))
-    borrow = BorrowIdleCpus(lc.get("borrow_check_s", 30.0)) if lc.get("borrow_idle_cpus") else None
+    borrow = BorrowIdleCpus(single_node_idle_cpus, lc.get("borrow_check_s", 30.0)) \
+        if lc.get("borrow_idle_cpus") else None
     if borrow is not None:
         callbacks.append(borrow)
     callbacks += lc.get("callbacks", [])

@@ -213,6 +213,15 @@ def cluster_nodes() -> list[dict[str, Any]]:
             for n in ray.nodes() if n.get("Alive")]
 
 
+def single_node_idle_cpus() -> tuple[float, float]:
+    """(CPUs of the cluster, CPUs no Ray work holds) on a single-node cluster; (0, 0) on a larger one, where
+    the free CPUs Ray reports are not all the asking trial's node's (:mod:`nmtcore.sweep.idle_cpus`)."""
+    nodes = cluster_nodes()
+    if len(nodes) != 1:
+        return 0.0, 0.0
+    return float(nodes[0]["cpus"]), float(ray.available_resources().get("CPU", 0.0))
+
+
 def check_cluster(settings: SweepSettings, base: ExperimentConfig) -> None:
     """For a sweep joining an existing cluster: MLflow must be a tracking server and trial storage
     (and the data directory) must be visible from every node. Raises :class:`SweepError` saying what
