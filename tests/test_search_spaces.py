@@ -210,3 +210,26 @@ def test_the_plm_studies_train_the_papers_alpha_and_their_controls_train_none():
         base = _base().with_overrides(dict(space.defaults))
         control = next(c for c in space.cells() if c.control)
         assert plan.trial_config(base, control.overrides, "/tmp/c").train.kd_alpha == 1.0, space.name
+
+
+def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone(tmp_path):
+    """``--arms-set`` reaches the arms' base config only: the baseline (and so its key: the cached one is
+    reused) is the same as without it; ``--set`` reaches both."""
+    from argparse import Namespace
+
+    from nmtcore.cli.sweep import base_experiment
+    from nmtcore.sweep.baseline import baseline_key
+
+    space = search_spaces.get_space("mask_threshold:paper")
+
+    def made(set_=(), arms=()):
+        args = Namespace(smoke_test=False, data_dir=str(tmp_path), config=None, preset="multi30k_small",
+                         set=list(set_), arms_set=list(arms))
+        return base_experiment(space, args)[:2]
+
+    base, baseline = made()
+    short, short_baseline = made(arms=["train.max_epochs=1"])
+    assert base.train.max_epochs == 3 and short.train.max_epochs == 1
+    assert short_baseline == baseline and baseline_key(short_baseline, {}, "c") == baseline_key(baseline, {}, "c")
+    both, both_baseline = made(set_=["train.max_epochs=1"])
+    assert both.train.max_epochs == 1 and both_baseline.train.max_epochs == 1

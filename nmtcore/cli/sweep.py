@@ -43,7 +43,10 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
     p.add_argument("--preset", default="multi30k_small", help="base experiment preset")
     p.add_argument("--config", help="base experiment YAML (instead of --preset)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="base config overrides (win over the study's defaults)")
+                   help="base config overrides (win over the study's defaults; the shared baseline's too)")
+    p.add_argument("--arms-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of the arms and the control only (e.g. train.max_epochs=1: a shorter second "
+                        "stage), not of the shared baseline they warm-start from")
     p.add_argument("-v", "--verbose", action="store_true")
     hints = typing.get_type_hints(SweepSettings)
     for f in dataclasses.fields(SweepSettings):
@@ -81,11 +84,13 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
     (None without a protocol), and the storage of a smoke test.
 
     In order: the preset (or ``--config``; a smoke test's tiny synthetic task), the study's defaults, the data
-    directory, the arms' budget (real runs) or the baseline's, the user's ``--set`` (which wins), and for the
-    baseline the protocol's baseline model without BERT."""
+    directory, the arms' budget (real runs) or the baseline's, the user's ``--set`` (which wins), then the
+    arms' ``--arms-set`` (not the baseline's: its key, and the cached baseline, stay), and for the baseline the
+    protocol's baseline model without BERT."""
     from nmtcore.config import ExperimentConfig, parse_overrides, preset
 
     user = parse_overrides(args.set)
+    arms = parse_overrides(getattr(args, "arms_set", None) or [])
     smoke: dict[str, str] = {}
     if args.smoke_test:
         from nmtcore.testing.synthetic import tiny_experiment
@@ -107,7 +112,7 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
                                                              if data_dir else {})})
         budget = dict(space.budget)
         baseline_budget = dict(space.protocol.baseline_budget) if space.protocol is not None else {}
-    base = study.with_overrides({**budget, **user})
+    base = study.with_overrides({**budget, **user, **arms})
     baseline = None
     if space.protocol is not None:
         baseline = study.with_overrides({**baseline_budget, **user}).with_overrides(space.protocol.control_overrides())
