@@ -135,6 +135,13 @@ def test_the_protocol_line_states_the_arms_schedule():
     for key, value in STAGE.items():
         assert f"{key}={value:g}" in line if isinstance(value, float) else f"{key}={value}" in line
     assert "not to convergence" in line
+    # What the arms really ran: a shortened stage (--arms-set train.max_epochs=1) is what the line says.
+    from nmtcore.config import preset
+
+    short = preset("multi30k_small").with_overrides({**STAGE, "train.max_epochs": 1})
+    line = describe_protocol(space, None, short)
+    assert "alike: train.lr=0.0005, train.max_epochs=1, train.warmup_updates=100" in line, line
+    assert f"(the study's train.max_epochs={STAGE['train.max_epochs']} overridden)" in line
     patient = SearchSpace("s", "v", "bert_fused", params={"model.p_net": grid((0.5, 1.0))}, protocol=FROM_SCRATCH,
                           budget={"train.max_epochs": 50, "train.patience": 5})
     line = describe_protocol(patient, None)

@@ -150,7 +150,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
                 "nmtcore.test_split": base.data.test_splits[0] if base.data.test_splits else "",
                 "nmtcore.test_splits": ",".join(base.data.test_splits),
                 "nmtcore.experiment_path": exp_dir,
-                "nmtcore.protocol": describe_protocol(space, made)}
+                "nmtcore.protocol": describe_protocol(space, made, base)}
         if made is not None:
             tags.update({BASELINE_KEY_TAG: made.key, "nmtcore.baseline_run_id": made.meta["mlflow_run_id"],
                          "nmtcore.baseline_converged": made.converged,
@@ -227,17 +227,23 @@ def phases(space: SearchSpace, exp_dir: str) -> list[tuple[bool, str]]:
     return runs + [(False, exp_dir)]
 
 
-def describe_protocol(space: SearchSpace, made: Any) -> str:
-    """One line on how the arms were trained and compared."""
+def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | None = None) -> str:
+    """One line on how the arms were trained and compared: the space's budget keys with the values the arms'
+    ``base`` config really has (``--set``/``--arms-set`` may have changed them; without ``base``, the space's)."""
     p = space.protocol
     if p is None:
         return "none: trials compared with the space's reference"
     start = (f"warm-started from baseline {made.key} ({'converged' if made.converged else 'STILL IMPROVING'})"
              if made is not None else "warm-started from the sweep's baseline" if p.warm_start else "from scratch")
-    budget = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(space.budget.items()))
+    flat = base.flat() if base is not None else {}
+    budget = {k: flat.get(k, v) for k, v in space.budget.items()}
+    changed = [k for k, v in space.budget.items() if budget[k] != v]
+    text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(budget.items()))
     stage = (("second stage" if p.warm_start else "budget") + ", arms and control alike: "
-             + (budget or "the base experiment's"))
-    if "train.max_epochs" in space.budget and not space.budget.get("train.patience"):
+             + (text or "the base experiment's"))
+    if changed:
+        stage += f" (the study's {', '.join(f'{k}={space.budget[k]}' for k in sorted(changed))} overridden)"
+    if "train.max_epochs" in budget and not budget.get("train.patience"):
         stage += " (a fixed number of epochs, not to convergence)"
     return f"arms {start}; control arm: {'yes' if p.control else 'no'}; {stage}"
 
