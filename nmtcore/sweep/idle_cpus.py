@@ -55,12 +55,11 @@ class BorrowIdleCpus(Callback):
     def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self.check()
 
-    def check(self, force: bool = False) -> int:
-        """Sets torch's threads for what is idle now (at most once per ``every_s`` unless ``force``);
-        returns the threads in use."""
+    def check(self) -> None:
+        """Sets torch's threads for what is idle now, at most once per ``every_s``."""
         now = self.clock()
-        if not self.own or (not force and now - self._last < self.every_s):
-            return torch.get_num_threads()
+        if not self.own or now - self._last < self.every_s:
+            return
         self._last = now
         try:
             total, idle = self.probe()
@@ -70,13 +69,12 @@ class BorrowIdleCpus(Callback):
         share = threads_to_use(self.own, total, idle) if total else self.own
         self._seen_idle = self._seen_idle + 1 if share > self.own else 0
         want = share if self._seen_idle >= 2 else self.own
-        have = torch.get_num_threads()
-        if want < have or (want > have and self._seen_idle >= 2):
-            torch.set_num_threads(want)
-            self.max_threads = max(self.max_threads, want)
-            if want > self.own:
-                logger.info("%d idle CPU(s) on the node, no trial waiting for them: training on %d threads",
-                            want - self.own, want)
-            else:
-                logger.info("the lent CPU(s) are held again by Ray: back to %d thread(s)", want)
-        return torch.get_num_threads()
+        if want == torch.get_num_threads():
+            return
+        torch.set_num_threads(want)
+        self.max_threads = max(self.max_threads, want)
+        if want > self.own:
+            logger.info("%d idle CPU(s) on the node, no trial waiting for them: training on %d threads",
+                        want - self.own, want)
+        else:
+            logger.info("the lent CPU(s) are held again by Ray: back to %d thread(s)", want)

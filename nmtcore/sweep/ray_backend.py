@@ -309,8 +309,7 @@ def _train_loop(lc: dict[str, Any]) -> None:
         tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
         callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
                                         {"nmtcore.tune_trial_id": lc["trial_id"]}))
-    borrow = BorrowIdleCpus(single_node_idle_cpus, lc.get("borrow_check_s", 30.0)) \
-        if lc.get("borrow_idle_cpus") else None
+    borrow = BorrowIdleCpus(single_node_idle_cpus, lc["borrow_check_s"]) if lc.get("borrow_idle_cpus") else None
     if borrow is not None:
         callbacks.append(borrow)
     callbacks += lc.get("callbacks", [])
