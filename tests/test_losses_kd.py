@@ -175,3 +175,23 @@ def test_fused_smoothed_loss_takes_bf16_logits_and_returns_a_bf16_gradient() -> 
     assert lo.loss.dtype == torch.float32 and lo.loss.item() == pytest.approx(ref.item(), rel=1e-5)
     lo.loss.backward()
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+
+
+def test_bf16_loss_in_blocks_of_rows_equals_the_formula_across_block_boundaries() -> None:
+    # 150 rows of an 8192 vocabulary: three blocks of 64 rows (the last one partial), padding in each.
+    torch.manual_seed(2)
+    logits = (torch.randn(5, 30, 8192) * 3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(1, 8192, (5, 30))
+    target[1, 20:] = 0
+    target[4, 3:] = 0
+    lo = label_smoothed_nll(logits, target, 0.1, pad_id=0)
+    exact = logits.detach().double().requires_grad_()
+    ref_loss, ref_nll = _reference_smoothed_nll(exact, target, 0.1, 0)
+    assert lo.n_tokens == 150 - 10 - 27
+    assert lo.loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert lo.nll.item() == pytest.approx(ref_nll.item(), rel=1e-5)
+    (grad,) = torch.autograd.grad(lo.loss * 0.37, logits)
+    (ref_grad,) = torch.autograd.grad(ref_loss * 0.37, exact)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-6)
+    assert grad[1, 20:].abs().sum() == 0 and grad[4, 3:].abs().sum() == 0

@@ -1,0 +1,58 @@
+"""``nmtcore.nn.layers.attend``: the explicit CPU path (two matmuls, fp32 softmax) computes what SDPA computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nmtcore.nn.layers import attend
+
+
+def _qkv(b: int, t_q: int, t_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(t_q * 100 + t_k)
+    return tuple(torch.randn(b, 4, t, 16, generator=g).to(dtype).requires_grad_() for t in (t_q, t_k, t_k))
+
+
+def _padding_mask(b: int, t_k: int) -> torch.Tensor:
+    mask = torch.ones(b, 1, 1, t_k, dtype=torch.bool)  # True = may attend
+    mask[0, ..., t_k - 3 :] = False
+    return mask
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t", [1, 9, 40])
+def test_the_cpu_path_equals_sdpa_in_value_and_gradient(dtype: torch.dtype, tol: float, causal: bool, t: int) -> None:
+    t_k = t if causal else t + 5  # causal: self-attention; else a memory of other length with padded keys
+    q, k, v = _qkv(3, t, t_k, dtype)
+    mask = None if causal else _padding_mask(3, t_k)
+    got = attend(q, k, v, mask, causal, 0.0)
+    grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=causal)
+    want_grads = torch.autograd.grad(want.square().sum(), (qd, kd, vd))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))
+
+
+def test_causal_queries_of_an_incremental_step_see_the_whole_prefix() -> None:
+    # Two new positions after a prefix of 5: query i sees keys 0 … 5 + i (the last query the last key),
+    # exactly the last two rows of full causal attention over all 7 positions.
+    q, k, v = _qkv(2, 7, 7, torch.float32)
+    full = attend(q, k, v, None, True, 0.0)
+    step = attend(q[:, :, 5:], k, v, None, True, 0.0)
+    torch.testing.assert_close(step, full[:, :, 5:])
+    assert not torch.allclose(step[:, :, 0], attend(q[:, :, 5:6], k, v, None, False, 0.0)[:, :, 0])
+
+
+def test_attention_dropout_zeroes_probabilities_and_keeps_the_expectation() -> None:
+    torch.manual_seed(0)
+    q, k, v = (x.detach() for x in _qkv(64, 8, 8, torch.float32))
+    v = torch.ones_like(v)  # every output = Σ of the kept probabilities (1 without dropout)
+    out = attend(q, k, v, None, False, 0.25)[..., 0]  # (B, H, Tq)
+    assert out.mean().item() == pytest.approx(1.0, abs=0.02)
+    assert (out - 1.0).abs().max() > 0.1  # some probabilities were dropped, others scaled by 4/3
+    torch.testing.assert_close(attend(q, k, v, None, False, 0.0)[..., 0], torch.ones_like(out))
