@@ -215,3 +215,39 @@ def test_a_space_s_report_metrics_get_a_column_per_arm(tmp_path):
     assert rows["control"]["valid_masked_fraction"] is None
     table = report.render_markdown(rep)
     assert "valid_masked_fraction (last epoch)" in table and "| 0.0300 |" in table and "| 0.2400 |" in table
+
+
+def test_a_phased_study_shows_where_each_arm_s_phases_began_and_why_it_stopped(tmp_path):
+    """BERT-JAM's ablation: each run's phase starts and stop reason (its summary.json) in a column; the control,
+    which has no phases, shows its stop reason; a sweep without phases has no such column."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="toy", tags={
+        lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.5, control=True)
+    add_trial(parent, tmp_path, 1, 1, "M0_full", 0.5)
+    add_trial(parent, tmp_path, 1, 2, "M3_no_warmup", 0.5)
+    stories = {"control": ({}, "max_epochs"), "M0_full": ({"finetune": 4, "warmup": 1, "glu": 3}, "early_stopping(patience=1)")}
+    for run in lifecycle.sweep_children(parent.run_id, uri):
+        arm = run.tags[lifecycle.ARM_TAG]
+        tracker = tracking.Tracker(uri, run_id=run.run_id)
+        if arm != "control":
+            tracker.log_metrics({"phase": 1.0}, step=1)
+        if arm in stories:  # M3's summary is missing
+            starts, reason = stories[arm]
+            tracker.log_dict({"phase_starts": starts, "stop_reason": reason}, "summary.json")
+    parent.end()
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    rows = {r["arm"]: r for r in report.table_rows(rep)}
+    column = "phases (first epoch); stop"
+    assert rows["M0_full"][column] == "warmup 1, glu 3, finetune 4; early_stopping(patience=1)"
+    assert rows["control"][column] == "max_epochs"
+    assert rows["M3_no_warmup"][column] == "summary.json not found"
+    assert column in report.render_markdown(rep)
+
+
+def test_a_sweep_without_phases_has_no_phase_column(sweep_store):
+    uri, _ = sweep_store
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    assert all(not g.phases for g in rep.groups)
+    assert "phases (first epoch)" not in report.render_markdown(rep)

@@ -64,6 +64,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "bert": g.bert, "bert_layers": g.bert_layers, "bert_hidden": g.bert_hidden,
                 "bert_quality": g.bert_quality, "trials": {s: n for s, n in sorted(g.status.items())},
                 **{name: mean(g.extra.get(name, [])) for name in report.space.get("report_metrics") or []},
+                "phases": " | ".join(dict.fromkeys(g.phases)),
             })
     return rows
 
@@ -84,7 +85,9 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
             "p (seeds)": "ref" if is_ref else p_seeds,
-            "epochs": _f(row["epochs"], 1), "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
+            "epochs": _f(row["epochs"], 1),
+            **({"phases (first epoch); stop": row["phases"]} if any(g.phases for g in report.groups) else {}),
+            "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
             "converged": ("" if not row["n_seeds"] else "no (still improving)" if row["still_improving"] else "yes"),
             "BERT": row["bert"] or "—",
             "BERT L×H": f"{row['bert_layers']}×{row['bert_hidden']}" if row["bert_layers"] else "—",

@@ -73,6 +73,7 @@ class Group:
     bert_hidden: int | None = None
     bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
     extra: dict[str, list[float]] = field(default_factory=dict)  # the space's report_metrics: last value per run
+    phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
 
 
@@ -110,7 +111,8 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
         by_key.setdefault(run.tags.get(CONFIG_KEY_TAG, run.run_id), []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: c["valid_loss"] for run_id, c in curves.items()}
-    groups = [_group(key, runs, varied, splits, metric, curves, space.get("report_metrics") or [])
+    phased = any("phase" in r.metrics for runs in by_key.values() for r in runs)
+    groups = [_group(key, runs, varied, splits, metric, curves, space.get("report_metrics") or [], phased, uri)
               for key, runs in by_key.items()]
     groups.sort(key=lambda g: (not g.control, g.order, g.config_key))
     reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
@@ -154,7 +156,7 @@ def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
 
 
 def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: list[str], metric: str,
-           curves: dict[str, dict[str, list[float]]], extra: list[str]) -> Group:
+           curves: dict[str, dict[str, list[float]]], extra: list[str], phased: bool = False, uri: str = "") -> Group:
     first = runs[0]
     control = first.tags.get(CONTROL_TAG) == "true"
     values = {} if control else {k: _parse(first.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in first.tags}
@@ -195,11 +197,25 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         for attr, metric_key in (("updates", "final/num_updates"), ("wall_s", "cost/wall_s"), ("cpu_s", "cost/cpu_s")):
             if metric_key in r.metrics:
                 getattr(g, attr).append(r.metrics[metric_key])
+        if phased:
+            g.phases.append(_phase_story(r, uri))
     complete = [r for r in runs if trial_state(r) == "complete"]
     g.parameters = mean([r.metrics["cost/parameters"] for r in complete if "cost/parameters" in r.metrics])
     g.tokens_per_s = mean([r.metrics["cost/train_tokens_per_s"] for r in complete
                             if "cost/train_tokens_per_s" in r.metrics])
     return g
+
+
+def _phase_story(run: tracking.RunRecord, uri: str) -> str:
+    """Where a run's phases began and why it stopped, from its summary.json: ``warmup 1, glu 3, finetune 4;
+    end_of_schedule`` (epochs, 1-based); a run without phases (the control) gives its stop reason only."""
+    try:
+        summary = json.loads(tracking.read_artifact_text(run.run_id, "summary.json", uri))
+    except (tracking.TrackingError, OSError, ValueError):
+        return "summary.json not found"
+    starts = summary.get("phase_starts") or {}
+    began = ", ".join(f"{name} {epoch}" for name, epoch in sorted(starts.items(), key=lambda kv: kv[1]))
+    return f"{began}; {summary.get('stop_reason', '?')}" if began else str(summary.get("stop_reason", "?"))
 
 
 def _find_reference(groups: list[Group], reference: Any) -> Group | None:
