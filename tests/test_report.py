@@ -227,23 +227,29 @@ def test_a_phased_study_shows_where_each_arm_s_phases_began_and_why_it_stopped(t
     add_trial(parent, tmp_path, 1, 0, "control", 0.5, control=True)
     add_trial(parent, tmp_path, 1, 1, "M0_full", 0.5)
     add_trial(parent, tmp_path, 1, 2, "M3_no_warmup", 0.5)
-    stories = {"control": ({}, "max_epochs"), "M0_full": ({"finetune": 4, "warmup": 1, "glu": 3}, "early_stopping(patience=1)")}
+    stories = {"control": ({}, "max_epochs", "average of epoch3.pt, epoch4.pt"),
+               "M0_full": ({"finetune": 4, "warmup": 1, "glu": 3}, "early_stopping(patience=1)", "epoch4.pt (last)")}
     for run in lifecycle.sweep_children(parent.run_id, uri):
         arm = run.tags[lifecycle.ARM_TAG]
         tracker = tracking.Tracker(uri, run_id=run.run_id)
         if arm != "control":
             tracker.log_metrics({"phase": 1.0}, step=1)
         if arm in stories:  # M3's summary is missing
-            starts, reason = stories[arm]
-            tracker.log_dict({"phase_starts": starts, "stop_reason": reason}, "summary.json")
+            starts, reason, tested = stories[arm]
+            tracker.log_dict({"phase_starts": starts, "stop_reason": reason, "final_model": tested}, "summary.json")
     parent.end()
     rep = results.build_report("toy", uri, n_bootstrap=0)
     rows = {r["arm"]: r for r in report.table_rows(rep)}
     column = "phases (first epoch); stop"
-    assert rows["M0_full"][column] == "warmup 1, glu 3, finetune 4; early_stopping(patience=1)"
-    assert rows["control"][column] == "max_epochs"
+    assert rows["M0_full"][column] == "warmup 1, glu 3, finetune 4; early_stopping(patience=1); tested epoch4.pt (last)"
+    assert rows["control"][column] == "max_epochs; tested average of epoch3.pt, epoch4.pt"
     assert rows["M3_no_warmup"][column] == "summary.json not found"
     assert column in report.render_markdown(rep)
+    # The control tested an average, M0 one epoch's weights: the report says the comparison is not like for like.
+    assert [w for w in rep.warnings if "not like for like" in w] == [
+        "M0_full tested one epoch's weights, the reference control an average of checkpoints: not like for like "
+        "(train.average_last against the length of the arms' last phase); compare the same kind of weights before "
+        "reading ΔBLEU"]
 
 
 def test_a_sweep_without_phases_has_no_phase_column(sweep_store):

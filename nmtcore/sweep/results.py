@@ -123,6 +123,8 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
                 for split in splits:
                     g.comparisons[split] = _compare(reference, g, split, uri, n_bootstrap, bootstrap_seed, warnings)
     warnings += _identical_trajectories(groups, histories)
+    if reference is not None:
+        warnings += _averaging_mismatch(reference, groups)
     for g in groups:
         if g.status.get("failed"):
             reasons = {r.tags.get(tracking.FAILURE_REASON_TAG, "") for r in g.runs if r.status == "FAILED"}
@@ -207,15 +209,35 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
 
 
 def _phase_story(run: tracking.RunRecord, uri: str) -> str:
-    """Where a run's phases began and why it stopped, from its summary.json: ``warmup 1, glu 3, finetune 4;
-    end_of_schedule`` (epochs, 1-based); a run without phases (the control) gives its stop reason only."""
+    """Where a run's phases began, why it stopped and which weights it tested, from its summary.json:
+    ``warmup 1, glu 3, finetune 4; end_of_schedule; tested epoch4.pt (last)`` (epochs, 1-based); a run without
+    phases (the control) gives its stop reason and tested weights only."""
     try:
         summary = json.loads(tracking.read_artifact_text(run.run_id, "summary.json", uri))
     except (tracking.TrackingError, OSError, ValueError):
         return "summary.json not found"
     starts = summary.get("phase_starts") or {}
     began = ", ".join(f"{name} {epoch}" for name, epoch in sorted(starts.items(), key=lambda kv: kv[1]))
-    return f"{began}; {summary.get('stop_reason', '?')}" if began else str(summary.get("stop_reason", "?"))
+    tested = f"; tested {summary['final_model']}" if summary.get("final_model") else ""
+    return "; ".join(x for x in (began, str(summary.get("stop_reason", "?"))) if x) + tested
+
+
+def _averaging_mismatch(reference: Group, groups: list[Group]) -> list[str]:
+    """Phased studies average checkpoints within the last phase only, the control over its whole run: with a
+    last phase shorter than ``train.average_last`` the arms test one epoch's weights and the control an average
+    (this happened: BERT-JAM at ``train.phase_scale=0.05``, where averaging cost the control 1.0 BLEU). Say so
+    wherever the reference and an arm tested different kinds of weights."""
+    def kinds(g: Group) -> set[str]:
+        return {"an average of checkpoints" if "tested average of" in story else "one epoch's weights"
+                for story in g.phases if "tested " in story}
+    ref = kinds(reference)
+    out = []
+    for g in groups:
+        if g is not reference and kinds(g) and ref and kinds(g) != ref:
+            out.append(f"{g.label} tested {' / '.join(sorted(kinds(g)))}, the reference {reference.label} "
+                       f"{' / '.join(sorted(ref))}: not like for like (train.average_last against the length of the "
+                       "arms' last phase); compare the same kind of weights before reading ΔBLEU")
+    return out
 
 
 def _find_reference(groups: list[Group], reference: Any) -> Group | None:
