@@ -68,15 +68,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     bf16 training step at d 256), 1.1-1.3x in fp32 up to 50 tokens, less than it beyond ~64; for single-query
     decoding steps 2-4x. CUDA always takes SDPA (flash / memory-efficient kernels).
     """
-    if q.device.type == "cpu" and (q.size(2) == 1 or q.dtype != torch.float32 or k.size(2) <= 64):
+    t_q, t_k = q.size(2), k.size(2)
+    explicit = q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)
+    if causal and (explicit or mask is not None or t_q != t_k):  # SDPA's is_causal: no mask, top-left aligned
+        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)  # (Tq, Tk)
+        mask, causal = (allowed if mask is None else mask & allowed), False
+    if explicit:
         scores = (q @ k.transpose(-1, -2)).float() * (q.size(-1) ** -0.5)  # (B, H, Tq, Tk)
-        if causal:
-            t_q, t_k = q.size(2), k.size(2)
-            allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-            mask = allowed if mask is None else mask & allowed
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = dropout(torch.softmax(scores, dim=-1), dropout_p, dropout_p > 0.0)
+        probs = dropout(torch.softmax(scores, dim=-1), dropout_p, True)
         return probs.to(v.dtype) @ v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
@@ -123,12 +124,8 @@ class SelfAttention(nn.Module):
                 v = torch.cat([cache.self_v, v], dim=2)
             cache.self_k, cache.self_v = k, v
             causal = causal and q.size(2) > 1
-        mask = key_padding_to_attn_mask(key_padding_mask)
-        if causal and mask is not None:
-            t_q, t_k = q.size(2), k.size(2)
-            allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)  # (T, T)
-            mask, causal = mask & allowed, False
-        y = attend(q, k, v, mask, causal, self.attention_dropout if self.training else 0.0)  # (B, H, T, Dh)
+        y = attend(q, k, v, key_padding_to_attn_mask(key_padding_mask), causal,
+                   self.attention_dropout if self.training else 0.0)  # (B, H, T, Dh)
         return self.out(merge_heads(y))
 
 
