@@ -74,6 +74,7 @@ class Group:
     bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
     extra: dict[str, list[float]] = field(default_factory=dict)  # the space's report_metrics: last value per run
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
+    tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
 
 
@@ -200,7 +201,10 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
             if metric_key in r.metrics:
                 getattr(g, attr).append(r.metrics[metric_key])
         if phased:
-            g.phases.append(_phase_story(r, uri))
+            story, tested = _phase_story(r, uri)
+            g.phases.append(story)
+            if tested:
+                g.tested.append(tested)
     complete = [r for r in runs if trial_state(r) == "complete"]
     g.parameters = mean([r.metrics["cost/parameters"] for r in complete if "cost/parameters" in r.metrics])
     g.tokens_per_s = mean([r.metrics["cost/train_tokens_per_s"] for r in complete
@@ -208,28 +212,29 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
     return g
 
 
-def _phase_story(run: tracking.RunRecord, uri: str) -> str:
+def _phase_story(run: tracking.RunRecord, uri: str) -> tuple[str, str]:
     """Where a run's phases began, why it stopped and which weights it tested, from its summary.json:
-    ``warmup 1, glu 3, finetune 4; end_of_schedule; tested epoch4.pt (last)`` (epochs, 1-based); a run without
-    phases (the control) gives its stop reason and tested weights only."""
+    (``warmup 1, glu 3, finetune 4; end_of_schedule; tested epoch4.pt (last)``, ``epoch4.pt (last)``) (epochs,
+    1-based); a run without phases (the control) gives its stop reason and tested weights only."""
     try:
         summary = json.loads(tracking.read_artifact_text(run.run_id, "summary.json", uri))
     except (tracking.TrackingError, OSError, ValueError):
-        return "summary.json not found"
+        return "summary.json not found", ""
     starts = summary.get("phase_starts") or {}
     began = ", ".join(f"{name} {epoch}" for name, epoch in sorted(starts.items(), key=lambda kv: kv[1]))
-    tested = f"; tested {summary['final_model']}" if summary.get("final_model") else ""
-    return "; ".join(x for x in (began, str(summary.get("stop_reason", "?"))) if x) + tested
+    tested = str(summary.get("final_model") or "")
+    story = "; ".join(x for x in (began, str(summary.get("stop_reason", "?"))) if x)
+    return story + (f"; tested {tested}" if tested else ""), tested
 
 
 def _averaging_mismatch(reference: Group, groups: list[Group]) -> list[str]:
     """Phased studies average checkpoints within the last phase only, the control over its whole run: with a
     last phase shorter than ``train.average_last`` the arms test one epoch's weights and the control an average
     (this happened: BERT-JAM at ``train.phase_scale=0.05``, where averaging cost the control 1.0 BLEU). Say so
-    wherever the reference and an arm tested different kinds of weights."""
+    wherever the reference and an arm tested different kinds of weights (``Trainer.finalize_model``'s
+    ``average of …`` or one checkpoint)."""
     def kinds(g: Group) -> set[str]:
-        return {"an average of checkpoints" if "tested average of" in story else "one epoch's weights"
-                for story in g.phases if "tested " in story}
+        return {"an average of checkpoints" if t.startswith("average of") else "one epoch's weights" for t in g.tested}
     ref = kinds(reference)
     out = []
     for g in groups:
