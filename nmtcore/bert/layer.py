@@ -35,14 +35,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("nmtcore.bert")
 
 
-@dataclass
 class BertOut:
     """BERT hidden states of a batch: ``states[j]`` (B, Tb, H) is BERT layer ``layers[j]`` (0 = the
-    embeddings, L = the last layer); ``mask`` (B, Tb) True = padding."""
+    embeddings, L = the last layer); ``mask`` (B, Tb) True = padding.
 
-    states: tuple[Tensor, ...]
-    layers: tuple[int, ...]
-    mask: Tensor
+    From the feature cache the states arrive ``packed``, one (B, Tb, K, H) float16 tensor: ``states`` converts
+    them to fp32 when first read, and :meth:`stack` takes the layers a model mixes straight from it, in one
+    conversion to the dtype the model computes in (no fp32 copy per layer, no second copy to stack them).
+    """
+
+    def __init__(self, layers: tuple[int, ...], mask: Tensor, states: tuple[Tensor, ...] | None = None,
+                 packed: Tensor | None = None) -> None:
+        if (states is None) == (packed is None):
+            raise ValueError("BertOut takes the states either one per layer or packed, not both")
+        self.layers, self.mask, self._states, self.packed = layers, mask, states, packed
+
+    @property
+    def states(self) -> tuple[Tensor, ...]:
+        if self._states is None:
+            self._states = tuple(f.float() for f in self.packed.unbind(2))  # fp16 on disk, fp32 to the model
+        return self._states
 
     def layer(self, index: int) -> Tensor:
         """Hidden state of BERT layer ``index`` (must have been requested)."""
@@ -53,7 +65,16 @@ class BertOut:
 
     @property
     def last(self) -> Tensor:
+        if self._states is None:
+            return self.packed[:, :, -1].float()
         return self.states[-1]
+
+    def stack(self, first: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
+        """States ``first:`` (Python slicing: ``-1`` is the last alone) stacked on a layer axis, in ``dtype``:
+        (B, Tb, K', H)."""
+        if self._states is None:
+            return self.packed[:, :, first:].to(dtype)
+        return torch.stack(self._states[first:], dim=2).to(dtype)
 
 
 def encoder_layers(hf_model: nn.Module) -> nn.ModuleList:
@@ -228,15 +249,15 @@ class BertLayer(nn.Module):
         mask = x["bert_mask"]
         feats = x.get("bert_features")
         if feats is not None and self.features_usable:
-            states = tuple(f.float() for f in feats.unbind(2))  # fp16 on disk, fp32 to the model
-        elif self.frozen:
+            return BertOut(layers=self.layers, mask=mask, packed=feats)  # fp16 on disk
+        if self.frozen:
             with torch.no_grad():
                 states = self.run(x["bert_ids"], mask, x["bert_segments"])
         else:
             if self.training and torch.is_grad_enabled():
                 self._weights_changed = True  # fine-tuning: cached features go stale at the next step
             states = self.run(x["bert_ids"], mask, x["bert_segments"])
-        return BertOut(states=states, layers=self.layers, mask=mask)
+        return BertOut(layers=self.layers, mask=mask, states=states)
 
 
 # ---------------------------------------------------------------------------------------------- KD

@@ -67,14 +67,13 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer, BertOut, pool_to_tokens
 from nmtcore.config import MaskFusionConfig
 from nmtcore.models.base import ModelOutput
 from nmtcore.models.transformer import Transformer
-from nmtcore.nn import CrossAttention, EncoderOut, dropout
+from nmtcore.nn import CrossAttention, EncoderOut, compute_dtype, dropout
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -97,9 +96,10 @@ class LayerFusion(nn.Module):
             self.proj.weight[0, -1] = 1.0
 
     def forward(self, states: Tensor) -> Tensor:
-        """states (B, T, n, H) → (B, T, H)."""
-        mixed = self.proj(states.transpose(2, 3))  # Eq. 1-2: B̂ W  (B, T, H, 2)
-        return F.glu(mixed, dim=-1).squeeze(-1)  # Eq. 2: value ⊙ σ(gate)  (B, T, H)
+        """states (B, T, n, H) → (B, T, H). One einsum over the layer axis (not ``proj`` on the transposed
+        states, which copies them into the (B, T, H, n) layout first)."""
+        value, gate = torch.einsum("btnh,kn->kbth", states, self.proj.weight.to(states.dtype))  # Eq. 1-2: B̂ W
+        return value * torch.sigmoid(gate)  # Eq. 2: GLU  (B, T, H)
 
 
 # ---------------------------------------------------------------------- mask knowledge matrix (Eq. 3-6)
@@ -219,7 +219,7 @@ class MaskFusion(Transformer):
         """B: the GLU over BERT layers 1..L (Eq. 1-2), or B_L (M1). (B, Tb, H)"""
         if self.layer_fusion is None:
             return bert_out.last
-        return self.layer_fusion(torch.stack(bert_out.states[1:], dim=2))  # (B, Tb, L, H) → (B, Tb, H)
+        return self.layer_fusion(bert_out.stack(1, compute_dtype(bert_out.mask.device)))  # (B, Tb, L, H) → (B, Tb, H)
 
     def embed_source(self, batch: "Batch", bert: Tensor) -> tuple[Tensor, Tensor | None]:
         """The encoder's input: Ẽ + G (Eq. 3-6), E + G (M2) or E, then dropout. Returns (B, S, C) and

@@ -17,6 +17,13 @@ from torch import Tensor, nn
 from nmtcore.nn.cache import LayerCache
 
 
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype matmuls run in on ``device`` here: autocast's where it is on, else fp32. For inputs that would
+    otherwise be cast again by every op that reads them (a model casts them once, to this)."""
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
+
+
 def key_padding_to_attn_mask(key_padding_mask: Tensor | None) -> Tensor | None:
     """(B, S) True = padding → (B, 1, 1, S) SDPA boolean mask, True = may attend."""
     if key_padding_mask is None:
