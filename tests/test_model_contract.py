@@ -114,3 +114,53 @@ def test_cpu_dropout_keeps_f_dropouts_semantics() -> None:
     a = dropout(x, 0.1, True)
     torch.manual_seed(5)
     assert torch.equal(a, dropout(x, 0.1, True))  # seeded like every other draw
+
+
+# One tiny case per model class (variants share their class's code): what ``train.compile`` compiles.
+COMPILED_CASES = ["transformer", "bert_fused", "bert_jam", "mask_fusion", "doc_context", "plm_sponsored"]
+
+
+def test_the_compiled_cases_cover_every_model_class():
+    assert {type(tiny_model(case)) for case in COMPILED_CASES} == set(MODEL_CLASSES.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_compiled_model_gives_the_eager_loss_and_gradients(case, small_batch):
+    """torch.compile (inductor, dynamic shapes, as ``train.compile``) vs eager on a fixed batch in bf16
+    autocast: the same loss and gradients within bf16 tolerance (eval mode: no dropout draws to differ);
+    incremental decoding, which stays eager, still equals teacher forcing afterwards."""
+    model = tiny_model(case).eval()
+    batch = with_inputs(model, small_batch)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=True)
+    results = []
+    for module in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = label_smoothed_nll(module(batch).logits, batch.tgt_out, 0.1, PAD).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.item(), grads))
+    (eager, g_eager), (comp, g_comp) = results
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert comp == pytest.approx(eager, rel=1e-2)
+    assert g_comp.keys() == g_eager.keys() and g_eager
+    # bf16 tolerance for gradients: direction and size per tensor, not each element (a reduction over many
+    # bf16 terms, like a GLU weight's gradient, moves by several percent with the order of summation). A
+    # gradient that is zero up to rounding (attention key biases: softmax ignores a constant per row) is noise
+    # on both sides: it must stay that small.
+    scale = max(g.norm().item() for g in g_eager.values())
+    for name, g in g_eager.items():
+        if g.norm() < 1e-3 * scale:
+            assert g_comp[name].norm() < 1e-2 * scale, name
+            continue
+        cos = torch.nn.functional.cosine_similarity(g_comp[name].flatten(), g.flatten(), dim=0, eps=1e-12)
+        assert cos > 0.99, (name, cos)
+        assert g_comp[name].norm() == pytest.approx(g.norm().item(), rel=0.1, abs=1e-8), name
+    with torch.no_grad():
+        full = model(batch).logits
+        enc = model.encode(batch)
+        state = model.init_state(enc)
+        steps = [model.decode_step(batch.tgt_in[:, t : t + 1], enc, state) for t in range(batch.tgt_in.size(1))]
+    torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)

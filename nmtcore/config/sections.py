@@ -265,6 +265,9 @@ class TrainConfig:
     seed: int = 1
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # torch.compile (inductor, dynamic shapes) of the training forward; validation and decoding stay eager.
+    # Off by default: on the CPUs measured it was slower than eager (README, "Speed and memory").
+    compile: bool = False
     keep_last: int = 3  # epoch checkpoints kept on disk
     # Average the last K epoch checkpoints (of the last phase, with a schedule) into the tested model; 0 = off.
     # BERT-JAM averages the last 10 epochs (Section 3); its studies scale K with the schedule.

@@ -131,9 +131,15 @@ class Trainer:
         self.train_tokens_per_s = 0.0
 
     def _wrap_ddp(self) -> None:
-        if self.world_size > 1:  # (re)built after a phase change: DDP registers the trainable set once
+        """The module the training forward goes through: the model, in DDP over ranks, compiled with
+        ``train.compile``; (re)built after a phase change (DDP registers the trainable set once)."""
+        self.ddp_model = self.model
+        if self.world_size > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.train.compile:
+            # Training forward only: validation, decoding (incremental steps) and checkpoints use self.model.
+            self.ddp_model = torch.compile(self.ddp_model, dynamic=True)
 
     # ------------------------------------------------------------------ phases
     def log_schedule(self) -> None:
