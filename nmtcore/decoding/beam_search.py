@@ -116,7 +116,7 @@ def _finish(finalized: list[list[Hypothesis]], nbest: int) -> list[list[Hypothes
 
 
 # ---------------------------------------------------------------------- beam search
-@torch.inference_mode()
+@torch.no_grad()
 def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list[Hypothesis]]:
     """Decode ``batch`` with beam search; returns, per input sentence, ``cfg.nbest`` hypotheses best first.
 
@@ -247,7 +247,7 @@ def _finalize_beam(
 
 
 # ---------------------------------------------------------------------- greedy search
-@torch.inference_mode()
+@torch.no_grad()
 def greedy_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list[Hypothesis]]:
     """Batched argmax decoding with beam search's length rules and scoring (equals ``beam=1``).
 
@@ -331,7 +331,9 @@ def translate(
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     results: dict[int, list[Hypothesis]] = {}
-    with _eval_mode(model), torch.inference_mode(), autocast(autocast_dtype(cfg.precision, device), device):
+    # no_grad, not inference_mode: autocast keeps its bf16 copies of the weights only outside inference mode,
+    # so under it every step cast every weight again (the output projection's alone ~4% of a beam-5 decode).
+    with _eval_mode(model), torch.no_grad(), autocast(autocast_dtype(cfg.precision, device), device):
         for batch in batches:
             hyps = decode_fn(model, batch, cfg)
             for sent_id, sent_hyps in zip(batch.ids.tolist(), hyps):
