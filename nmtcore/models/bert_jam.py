@@ -80,10 +80,7 @@ class JointAttention(nn.Module):
         (B, M, kdim) secondary (None when already cached), ``memory_mask`` (B, M). Returns (B, T, C)."""
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 × (B, H, T, Dh)
         if cache is not None:
-            if cache.self_k is not None:
-                k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t+1, Dh)
-                v = torch.cat([cache.self_v, v], dim=2)
-            cache.self_k, cache.self_v = k, v
+            k, v = cache.grow(k, v)  # (B, H, t+1, Dh)
             if name not in cache.static:
                 cache.static[name] = self.project_memory(memory)
             k_s, v_s = cache.static[name]
@@ -99,9 +96,8 @@ class JointAttention(nn.Module):
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
         b = memory_mask.size(0)
         mask = torch.cat([allowed_r.expand(b, 1, t_q, t_r), allowed_s.expand(b, 1, t_q, -1)], dim=-1)
-        keys = torch.cat([k, k_s], dim=2)  # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m)  (B, H, t+M, Dh)
-        values = torch.cat([v, v_s], dim=2)
-        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)  # Eq. 6-7
+        # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), V likewise, as two parts of one softmax (Eq. 6-7).
+        y = attend(q, (k, k_s), (v, v_s), mask, False, self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -47,6 +48,13 @@ class LayerCache:
     self_k: Tensor | None = None
     self_v: Tensor | None = None
     static: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def grow(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append this step's keys/values (B, H, n, Dh) to the prefix's; returns the whole prefix's."""
+        if self.self_k is not None:
+            k, v = torch.cat([self.self_k, k], dim=2), torch.cat([self.self_v, v], dim=2)  # (B, H, t+n, Dh)
+        self.self_k, self.self_v = k, v
+        return k, v
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""Beam-search decoding speed of the BERT-consuming models against the baseline Transformer, measured side by
+side in one run (one model after the other, same sentences, same beam, same output length).
+
+The models are built as their studies train them (``multi30k_small`` preset; the PLM-sponsored model with the
+kd_alpha study's BERTs, fine-tuned, so it runs its source BERT at every batch and its target BERT as the
+decoder), with their NMT weights untrained: what decoding costs does not depend on what the weights say,
+except through the output lengths, and those are fixed here. Every hypothesis runs exactly ``--length`` steps
+(``decode.min_len = decode.max_len_b = length``, ``max_len_a = 0``: EOS is barred before that step and forced
+at it), so each model does the same number of decoding steps on the same sentences; the default length is the
+split's mean reference length in subwords (+1 for EOS), i.e. about what a model that translates produces.
+
+Bar (the issue): PLM-sponsored decoding >= 0.5 x the baseline's sentences/s. The baseline's speed against
+fairseq on a model that translates is ``bench/vs_fairseq.py``'s.
+
+  python bench/decode_speed.py --data-dir ../shared/data [--threads 2] [--beam 5] [--models all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from nmtcore.bert import ensure_bert
+from nmtcore.config import DecodeConfig, preset
+from nmtcore.data import prepare_data
+from nmtcore.decoding import translate_split
+from nmtcore.engine import build_trainer, setup_torch
+
+# name -> overrides on multi30k_small. BERT models read minilm as their studies do; PLM-sponsored as kd_alpha.
+MODELS = {
+    "baseline": {},
+    "bert_fused": {"model.name": "bert_fused", "model.bert.name": "minilm"},
+    "bert_jam": {"model.name": "bert_jam", "model.bert.name": "minilm", "train.max_epochs": 60},
+    "mask_fusion": {"model.name": "mask_fusion", "model.bert.name": "minilm"},
+    "doc_context": {"model.name": "doc_context", "model.bert.name": "minilm", "model.context_type": "fixed"},
+    "plm_sponsored": {"model.name": "plm_sponsored", "model.bert.name": "minilm", "model.bert.freeze": False,
+                      "model.kd_teacher": True, "model.kd_layer": "half", "train.kd_alpha": 0.9},
+}
+
+
+def decode(cfg, label: str, split_name: str, n: int, dcfg: DecodeConfig) -> float:
+    """Build the model (BERT streams attached to every split), decode ``n`` sentences once untimed, then all of
+    them timed; returns sentences/s."""
+    cfg = ensure_bert(cfg)
+    data = prepare_data(cfg.data)
+    trainer = build_trainer(cfg, data, device=torch.device("cpu"))
+    split = data.splits[split_name]
+    split = split.select(range(min(n, len(split.src))))
+    translate_split(trainer.model, split.select(range(64)), data.vocab, dcfg, trainer.device)  # warm-up
+    t0 = time.perf_counter()
+    hyps = translate_split(trainer.model, split, data.vocab, dcfg, trainer.device)
+    wall = time.perf_counter() - t0
+    print(f"{label}: sentences={len(hyps)} gen_s={wall:.2f} sent_per_s={len(hyps) / wall:.1f} "
+          f"parameters={trainer.model.num_parameters() / 1e6:.1f}M loadavg={os.getloadavg()[0]:.1f}", flush=True)
+    return len(hyps) / wall
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--split", default="test_2016_flickr")
+    p.add_argument("--sentences", type=int, default=1000)
+    p.add_argument("--length", type=int, default=0, help="output length of every hypothesis (0: the split's mean "
+                   "reference length in subwords + 1)")
+    p.add_argument("--models", default="baseline,plm_sponsored", help=f"comma list of {', '.join(MODELS)}, or all")
+    args = p.parse_args()
+    names = list(MODELS) if args.models == "all" else args.models.split(",")
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or "baseline" not in names:
+        p.error(f"--models: need baseline and names from {', '.join(MODELS)}; got {args.models}")
+    base = preset("multi30k_small").with_overrides({
+        "data.data_dir": args.data_dir, "data.download": False, "train.num_threads": args.threads,
+        "output_dir": "bench/out/decode_speed"})
+    setup_torch(base)
+    length = args.length
+    if length <= 0:
+        data = prepare_data(base.data)
+        tgt = data.splits[args.split].tgt[: args.sentences]
+        length = int(round(float(np.mean([len(t) for t in tgt])))) + 1
+    dcfg = DecodeConfig(beam=args.beam, max_len_a=0.0, max_len_b=length, min_len=length, max_sentences=128)
+    print(f"threads={torch.get_num_threads()} beam={args.beam} split={args.split} sentences<={args.sentences} "
+          f"every hypothesis {length} tokens (EOS included) precision={dcfg.precision}", flush=True)
+    speed = {name: decode(base.with_overrides(MODELS[name]), name, args.split, args.sentences, dcfg) for name in names}
+    for name in (m for m in names if m != "baseline"):
+        print(f"RESULT {name}: sentences/s vs baseline={speed[name] / speed['baseline']:.2f}"
+              + (" (bar >= 0.5)" if name == "plm_sponsored" else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
