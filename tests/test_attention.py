@@ -56,23 +56,3 @@ def test_attention_dropout_zeroes_probabilities_and_keeps_the_expectation() -> N
     assert out.mean().item() == pytest.approx(1.0, abs=0.02)
     assert (out - 1.0).abs().max() > 0.1  # some probabilities were dropped, others scaled by 4/3
     torch.testing.assert_close(attend(q, k, v, None, False, 0.0)[..., 0], torch.ones_like(out))
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("t_q,parts", [(1, (3, 12)), (6, (6, 9, 6)), (30, (30, 50))])
-def test_keys_and_values_in_parts_are_one_softmax_over_all_of_them(dtype, tol, t_q, parts) -> None:
-    """Joint attention (BERT-JAM, the PLM coordinator): parts of the key axis give what their concatenation gives,
-    in value and gradient, with a mask that differs between the parts (the longest case takes SDPA in fp32)."""
-    g = torch.Generator().manual_seed(sum(parts))
-    q = torch.randn(2, 4, t_q, 16, generator=g).to(dtype).requires_grad_()
-    ks = [torch.randn(2, 4, n, 16, generator=g).to(dtype).requires_grad_() for n in parts]
-    vs = [torch.randn(2, 4, n, 16, generator=g).to(dtype).requires_grad_() for n in parts]
-    mask = torch.rand(2, 1, t_q, sum(parts), generator=g) > 0.3
-    mask[..., 0] = True  # no row without a key
-    got = attend(q, ks, vs, mask, False, 0.0)
-    got_grads = torch.autograd.grad(got.float().square().sum(), (q, *ks, *vs))
-    want = attend(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask, False, 0.0)
-    want_grads = torch.autograd.grad(want.float().square().sum(), (q, *ks, *vs))
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    for a, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(a, w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))

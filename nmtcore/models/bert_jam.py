@@ -96,8 +96,9 @@ class JointAttention(nn.Module):
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
         b = memory_mask.size(0)
         mask = torch.cat([allowed_r.expand(b, 1, t_q, t_r), allowed_s.expand(b, 1, t_q, -1)], dim=-1)
-        # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), V likewise, as two parts of one softmax (Eq. 6-7).
-        y = attend(q, (k, k_s), (v, v_s), mask, False, self.attention_dropout if self.training else 0.0)
+        keys = torch.cat([k, k_s], dim=2)  # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m)  (B, H, t+M, Dh)
+        values = torch.cat([v, v_s], dim=2)
+        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)  # Eq. 6-7
         return self.out(merge_heads(y))  # (B, T, C)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:

@@ -318,8 +318,9 @@ class CoordinatorAttention(nn.Module):
         causal = torch.ones(t_q, t_k, dtype=torch.bool, device=x.device).tril(t_k - t_q)  # (T, t)
         causal = causal[None, None].expand(b, 1, t_q, t_k)
         mask = torch.cat([allowed_s, causal, causal], dim=-1)  # (B, 1, T, S + 2t)
-        # r_all = [r_S ; r_T ; r_{j−1}]: three parts of one softmax (no copy of the cached r_S keys per step).
-        y = attend(q, (k_s, k_t, k_h), (v_s, v_t, v_h), mask, False, self.attention_dropout if self.training else 0.0)
+        keys = torch.cat([k_s, k_t, k_h], dim=2)  # r_all
+        values = torch.cat([v_s, v_t, v_h], dim=2)
+        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)
 
 

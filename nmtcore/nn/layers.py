@@ -9,7 +9,6 @@ the short sequences the CPU trains on (see there why).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,15 +64,9 @@ class SinusoidalPositions(nn.Module):
         return self.table[offset : offset + length]  # (T, C)
 
 
-def attend(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Tensor], mask: Tensor | None,
-           causal: bool, dropout_p: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout_p: float) -> Tensor:
     """Multi-head attention (B, H, Tq, Dh) × (B, H, Tk, Dh) → (B, H, Tq, Dh); ``mask`` True = may attend,
     ``causal`` aligns the last query with the last key (an incremental step's queries see the prefix).
-
-    ``k`` and ``v`` may come in parts along the key axis (joint attention over several memories: one softmax
-    over all of their keys, ``mask`` over the parts in order). The explicit path then concatenates the score
-    blocks, not the keys and values: Dh / Tq times less to copy, and no copy of a cached memory at each
-    decoding step.
 
     On the CPU, short sequences take an explicit path (two matmuls, the softmax in fp32 as inside the fused
     kernels) instead of ``scaled_dot_product_attention``: its CPU flash kernel is tiled for long sequences,
@@ -82,22 +75,17 @@ def attend(q: Tensor, k: Tensor | Sequence[Tensor], v: Tensor | Sequence[Tensor]
     bf16 training step at d 256), 1.1-1.3x in fp32 up to 50 tokens, less than it beyond ~64; for single-query
     decoding steps 2-4x. CUDA always takes SDPA (flash / memory-efficient kernels).
     """
-    ks, vs = ((k,), (v,)) if isinstance(k, Tensor) else (tuple(k), tuple(v))
-    t_q, t_k = q.size(2), sum(part.size(2) for part in ks)
+    t_q, t_k = q.size(2), k.size(2)
     explicit = q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)
     if causal and (explicit or mask is not None or t_q != t_k):  # SDPA's is_causal: no mask, top-left aligned
         allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)  # (Tq, Tk)
         mask, causal = (allowed if mask is None else mask & allowed), False
     if explicit:
-        blocks = [q @ part.transpose(-1, -2) for part in ks]  # (B, H, Tq, Tk_i)
-        scores = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)).float() * (q.size(-1) ** -0.5)
+        scores = (q @ k.transpose(-1, -2)).float() * (q.size(-1) ** -0.5)  # (B, H, Tq, Tk)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = dropout(torch.softmax(scores, dim=-1), dropout_p, True).to(vs[0].dtype)  # (B, H, Tq, Tk)
-        if len(vs) == 1:
-            return probs @ vs[0]
-        return sum(p @ part for p, part in zip(probs.split([part.size(2) for part in vs], dim=-1), vs))
-    k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+        probs = dropout(torch.softmax(scores, dim=-1), dropout_p, True)
+        return probs.to(v.dtype) @ v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
 
