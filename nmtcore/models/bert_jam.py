@@ -47,8 +47,8 @@ from torch import Tensor, nn
 from nmtcore.bert import BertLayer
 from nmtcore.config import BertJamConfig, PhaseConfig
 from nmtcore.models.transformer import Transformer
-from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend, combine,
-                        compute_dtype, merge_heads, split_heads)
+from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend,
+                        causal_mask, combine, compute_dtype, merge_heads, split_heads)
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -88,9 +88,8 @@ class JointAttention(nn.Module):
             k_s, v_s = self.project_memory(memory)  # 2 × (B, H, M, Dh)
         t_q, t_r = q.size(2), k.size(2)
         # Allowed positions of the primary part: causal (decoder) and/or not padding.
-        allowed_r = torch.ones(1, 1, t_q, t_r, dtype=torch.bool, device=x.device)  # (1, 1, T, t)
-        if causal:
-            allowed_r = allowed_r.tril(t_r - t_q)
+        allowed_r = (causal_mask(t_q, t_r, x.device) if causal
+                     else torch.ones(t_q, t_r, dtype=torch.bool, device=x.device))  # (T, t)
         if x_mask is not None:
             allowed_r = allowed_r & ~x_mask[:, None, None, :]  # (B, 1, T, t)
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)

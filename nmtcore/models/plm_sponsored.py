@@ -107,7 +107,7 @@ from nmtcore.config import ConfigError, ExperimentConfig, PlmSponsoredConfig
 from nmtcore.models.base import ModelOutput, NMTModel
 from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
-                        SinusoidalPositions, attend, dropout, merge_heads, split_heads)
+                        SinusoidalPositions, attend, causal_mask, dropout, merge_heads, split_heads)
 from nmtcore.nn.checkpointing import checkpoint_layers
 
 if TYPE_CHECKING:
@@ -315,7 +315,7 @@ class CoordinatorAttention(nn.Module):
         # Eq. 3: M = [M_S | M_T | M_h]; M_S lets every (non-pad) source position through, M_T and M_h hide
         # the future (strictly upper triangular: position t sees targets ≤ t).
         allowed_s = (~src_mask)[:, None, None, :].expand(b, 1, t_q, -1)  # (B, 1, T, S)
-        causal = torch.ones(t_q, t_k, dtype=torch.bool, device=x.device).tril(t_k - t_q)  # (T, t)
+        causal = causal_mask(t_q, t_k, x.device)  # (T, t)
         causal = causal[None, None].expand(b, 1, t_q, t_k)
         mask = torch.cat([allowed_s, causal, causal], dim=-1)  # (B, 1, T, S + 2t)
         keys = torch.cat([k_s, k_t, k_h], dim=2)  # r_all

@@ -24,6 +24,12 @@ def compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
 
 
+def causal_mask(t_q: int, t_k: int, device: torch.device | str) -> Tensor:
+    """(Tq, Tk) bool, True = may attend: query i sees keys 0 … Tk − Tq + i (the last query the last key, so an
+    incremental step's queries see the whole prefix)."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(t_k - t_q)
+
+
 def key_padding_to_attn_mask(key_padding_mask: Tensor | None) -> Tensor | None:
     """(B, S) True = padding → (B, 1, 1, S) SDPA boolean mask, True = may attend."""
     if key_padding_mask is None:
@@ -78,7 +84,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     t_q, t_k = q.size(2), k.size(2)
     explicit = q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)
     if causal and (explicit or mask is not None or t_q != t_k):  # SDPA's is_causal: no mask, top-left aligned
-        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)  # (Tq, Tk)
+        allowed = causal_mask(t_q, t_k, q.device)  # (Tq, Tk)
         mask, causal = (allowed if mask is None else mask & allowed), False
     if explicit:
         scores = (q @ k.transpose(-1, -2)).float() * (q.size(-1) ** -0.5)  # (B, H, Tq, Tk)
