@@ -31,6 +31,8 @@ from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
 from nmtcore.engine import build_trainer, setup_torch
 
+from finetune_memory import CASES  # bench/: the PLM-sponsored trial as the kd_alpha study trains it
+
 # name -> overrides on multi30k_small. BERT models read minilm as their studies do; PLM-sponsored as kd_alpha.
 MODELS = {
     "baseline": {},
@@ -38,8 +40,7 @@ MODELS = {
     "bert_jam": {"model.name": "bert_jam", "model.bert.name": "minilm", "train.max_epochs": 60},
     "mask_fusion": {"model.name": "mask_fusion", "model.bert.name": "minilm"},
     "doc_context": {"model.name": "doc_context", "model.bert.name": "minilm", "model.context_type": "fixed"},
-    "plm_sponsored": {"model.name": "plm_sponsored", "model.bert.name": "minilm", "model.bert.freeze": False,
-                      "model.kd_teacher": True, "model.kd_layer": "half", "train.kd_alpha": 0.9},
+    "plm_sponsored": CASES["plm_sponsored"],
 }
 
 
