@@ -46,6 +46,10 @@ def test_the_estimate_grows_with_the_batch_the_bert_and_fine_tuning() -> None:
     assert frozen.weights >= small.weights + bert.weight_bytes
     assert tuned.weights >= frozen.weights + 3 * bert.weight_bytes and tuned.activations > frozen.activations
     assert trial_memory(fused, None).total < frozen.total  # without its footprint the BERT is not counted
+    # The budget counts NMT tokens: a BERT stream with the previous sentence as context is longer per batch.
+    doc = base.with_overrides({"model.name": "doc_context", "model.bert.name": "minilm", "model.bert.freeze": False})
+    tuned_doc = trial_memory(doc, bert)
+    assert tuned_doc.activations - small.activations > 1.4 * (tuned.activations - small.activations)
     assert "GiB" in frozen.describe()
 
 

@@ -147,3 +147,30 @@ def test_the_protocol_line_states_the_arms_schedule():
     line = describe_protocol(patient, None)
     assert line.startswith("arms from scratch") and "budget, arms and control alike" in line
     assert "not to convergence" not in line
+
+
+def test_a_bert_arm_trains_on_its_controls_batches(tmp_path):
+    """The token budget counts NMT tokens only: a BERT arm gets the control's batches (sentences, order, number
+    of updates), although its BERT stream is longer than the NMT sentence for some of them."""
+    from nmtcore.data import batch_indices
+
+    base = tiny_experiment(tmp_path, **{"data.max_tokens": 200})
+    control = build_trainer(base.with_overrides({"output_dir": str(tmp_path / "c")}), device=torch.device("cpu"))
+    arm = build_trainer(base.with_overrides({"model.name": "bert_fused", "model.bert.name": tiny_bert_dir(),
+                                             "output_dir": str(tmp_path / "a")}), device=torch.device("cpu"))
+    split = arm.data.splits[base.data.train_split]
+    assert split.bert_lens is not None and control.data.splits[base.data.train_split].bert_lens is None
+    # The check can fail: counting the BERT stream too would give this arm other batches.
+    longer = split.bert_lens > split.src_lens + 1
+    assert longer.any()
+    bert_aware = batch_indices(split.src_lens, split.tgt_lens, 200, shuffle=True, seed=1, epoch=2,
+                               bert_lens=split.bert_lens)
+    for epoch in (1, 2):
+        mine = [b.ids.tolist() for b in arm.train_batches(epoch)]
+        theirs = [b.ids.tolist() for b in control.train_batches(epoch)]
+        assert mine == theirs
+    assert mine != [b.tolist() for b in bert_aware]
+    assert arm.updates_per_epoch() == control.updates_per_epoch()
+    valid = control.data.splits[base.data.valid_split]
+    assert [b.ids.tolist() for b in arm.eval_batches(arm.data.splits[base.data.valid_split])] == \
+        [b.ids.tolist() for b in control.eval_batches(valid)]

@@ -95,7 +95,8 @@ def batch_indices(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, m
     ``L = max(src_len, tgt_len) + 1`` (the eos / bos), and a batch of n sentences costs
     ``max(L) * n`` padded tokens, which is kept ``<= max_tokens`` (and ``n <= max_sentences`` if > 0).
     With ``bert_lens`` (the BERT stream's lengths, [CLS]/[SEP] included) a sentence costs
-    ``max(L, bert_len)``, so every padded stream of a batch (source, target, BERT) stays in the budget.
+    ``max(L, bert_len)``, so every padded stream of a batch (source, target, BERT) stays in the budget. The
+    trainer does not pass it (a BERT arm trains on its control's batches); :func:`iterate_batches` does.
     A sentence with ``L > max_tokens`` on its own gets a batch of one (it is never dropped).
 
     Sentences are sorted by L, ties broken by target length, then source length, then (if

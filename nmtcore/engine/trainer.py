@@ -157,8 +157,7 @@ class Trainer:
         split = self.data.splits[self.cfg.data.train_split]
         dc = self.cfg.data
         n = sum(1 for _ in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                         seed=self.cfg.train.seed, epoch=1, rank=self.rank, world_size=self.world_size,
-                                         bert_lens=split.bert_lens))
+                                         seed=self.cfg.train.seed, epoch=1, rank=self.rank, world_size=self.world_size))
         return math.ceil(n / self.cfg.train.update_freq)
 
     def enter_phase(self, index: int) -> None:
@@ -175,19 +174,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ batches
     def train_batches(self, epoch: int) -> Iterator[Batch]:
-        """The epoch's shuffled token-budget batches of the training split (this rank's share)."""
+        """The epoch's shuffled token-budget batches of the training split (this rank's share).
+
+        The budget counts the NMT tokens only, never a BERT stream's WordPieces, as fairseq and the papers' code
+        do: a BERT arm then trains on exactly its control's batches (same sentences, same order, same number of
+        updates an epoch), so the study compares models, not batchings. The BERT stream of a batch may then hold
+        more than ``data.max_tokens`` padded WordPieces (on Multi30k up to 1.47x the budget for a sentence, 2.11x
+        with the previous sentence as context); :mod:`nmtcore.sweep.memory` counts that."""
         split = self.data.splits[self.cfg.data.train_split]
         dc = self.cfg.data
         for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
-                                 bert_lens=split.bert_lens):
+                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size):
             yield self.collate(split, idx)
 
     def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
-        """Batches of ``split`` in length order, unshuffled."""
+        """Batches of ``split`` in length order, unshuffled; NMT tokens only, as :meth:`train_batches`."""
         dc = self.cfg.data
-        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False,
-                                 bert_lens=split.bert_lens):
+        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False):
             yield self.collate(split, idx)
 
     def collate(self, split: EncodedSplit, idx: np.ndarray) -> Batch:

@@ -9,7 +9,10 @@ The estimate adds four parts, each from the config alone (and, for a BERT, its f
   moments (16 bytes a parameter), plus the BERT's weights (fp32; ×4 while it is fine-tuned);
 - ``activations``: what one batch of ``data.max_tokens`` padded tokens keeps for the backward pass in every
   encoder and decoder layer (widths counted per layer below), the BERT-attention branches, a fine-tuned
-  BERT's own layers, and the output layer's (tokens × vocabulary) logits and log-probabilities;
+  BERT's own layers, and the output layer's (tokens × vocabulary) logits and log-probabilities. The budget
+  counts NMT tokens only (a BERT arm trains on its control's batches), so a batch's BERT stream can hold more
+  padded WordPieces than ``data.max_tokens``: its parts are scaled by ``BERT_STREAM`` (the largest ratio
+  measured on Multi30k's training batches, rounded up);
 - nothing for the frozen-feature cache: it is memory-mapped, file-backed and reclaimable.
 
 The constants were fitted to peak RSS measured on 2026-11-24 (2-core Xeon, fp32; see ``tests/test_memory.py``
@@ -37,6 +40,10 @@ DECODER_FLOATS = (22, 3)
 BERT_ATTENTION_FLOATS = 8  # × d_model per NMT layer that attends to BERT (projections of BERT's states too)
 BERT_LAYER_FLOATS = (14, 3)  # a fine-tuned BERT layer, (× hidden, × intermediate), per WordPiece
 LOGIT_COPIES = 2  # the logits and the loss's log-probabilities (its gradient is written in place)
+# Padded WordPieces of a batch's BERT stream per unit of the NMT budget, at most: measured over Multi30k's training
+# batches (multi30k_small, MiniLM's WordPieces) 1.47 for the sentence alone, 2.11 with the previous sentence as
+# context ([CLS] context [SEP] sentence [SEP]: the document model, model.bert.context=previous).
+BERT_STREAM = {"sentence": 1.5, "context": 2.2}
 
 
 @dataclass(frozen=True)
@@ -102,16 +109,18 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
     acts += LOGIT_COPIES * tokens * cfg.data.vocab_size * FLOAT
     bert_weights = 0
     if bert is not None and m.bert.enabled:
+        with_context = m.name == "doc_context" or m.bert.context != "none"
+        wordpieces = int(tokens * BERT_STREAM["context" if with_context else "sentence"])  # a batch's BERT stream
         fused = m.encoder_layers + m.decoder_layers  # an upper bound: every NMT layer attends to BERT
         params += fused * (2 * d * d + 2 * d * bert.hidden + 4 * d)
-        acts += tokens * FLOAT * fused * BERT_ATTENTION_FLOATS * d
+        acts += wordpieces * FLOAT * fused * BERT_ATTENTION_FLOATS * d
         fine_tuned = (not m.bert.freeze or any("bert" in p.trainable for p in cfg.train.phases)
                       or "finetune" in getattr(m, "schedule", ()))  # BERT-JAM's phase 3
         # A second, fine-tuned BERT (PLM-sponsored's target side) is counted at the source BERT's size.
         copies = 2 if getattr(getattr(m, "tgt_bert", None), "enabled", False) else 1
         bert_weights = copies * bert.weight_bytes * (4 if fine_tuned else 1)
         if fine_tuned:
-            acts += copies * tokens * FLOAT * bert.layers * (BERT_LAYER_FLOATS[0] * bert.hidden
-                                                             + BERT_LAYER_FLOATS[1] * bert.intermediate)
+            acts += copies * wordpieces * FLOAT * bert.layers * (BERT_LAYER_FLOATS[0] * bert.hidden
+                                                                 + BERT_LAYER_FLOATS[1] * bert.intermediate)
     return MemoryEstimate(process=PROCESS_BYTES, weights=params * 16 + bert_weights, activations=acts)
 
