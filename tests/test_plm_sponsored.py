@@ -415,12 +415,16 @@ def test_trains_and_decodes_through_the_platform(tmp_path):
     cfg = tiny_experiment(tmp_path, **{"model.name": "plm_sponsored", "model.bert.name": tiny_bert_dir(),
                                        "model.bert.freeze": False, "model.tgt_bert.name": tiny_bert_dir(),
                                        "model.d_model": 32, "model.ffn_dim": 64, "train.kd_alpha": 0.9,
-                                       "train.num_threads": 1})
+                                       "train.num_threads": 1, "data.max_tokens": 200})
     setup_torch(cfg)
     trainer = build_trainer(cfg, device=torch.device("cpu"))  # target BERT ready, FWET built (prepare)
     cfg, data, model = trainer.cfg, trainer.data, trainer.model
     assert cfg.model.fwet and prepare_fwet(cfg, data) is cfg
-    batches = trainer.train_batches(1)
+    # Its source is the WordPiece stream: the token budget counts it (a batch's stream stays within budget).
+    every = list(trainer.train_batches(1))
+    assert model.source_is_bert_stream and sum(b.size for b in every) == len(data.splits["train"].src)
+    assert all(b.size == 1 or b.extras["bert_ids"].numel() <= cfg.data.max_tokens for b in every)
+    batches = iter(every)
     stats = [trainer.train_step([next(batches)]) for _ in range(3)]
     torch.set_num_threads(2)
     assert all(math.isfinite(s["loss_sum"]) for s in stats)

@@ -157,7 +157,8 @@ class Trainer:
         split = self.data.splits[self.cfg.data.train_split]
         dc = self.cfg.data
         n = sum(1 for _ in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                         seed=self.cfg.train.seed, epoch=1, rank=self.rank, world_size=self.world_size))
+                                         seed=self.cfg.train.seed, epoch=1, rank=self.rank, world_size=self.world_size,
+                                         bert_lens=self.budgeted_bert_lens(split)))
         return math.ceil(n / self.cfg.train.update_freq)
 
     def enter_phase(self, index: int) -> None:
@@ -176,22 +177,31 @@ class Trainer:
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         """The epoch's shuffled token-budget batches of the training split (this rank's share).
 
-        The budget counts the NMT tokens only, never a BERT stream's WordPieces, as fairseq and the papers' code
-        do: a BERT arm then trains on exactly its control's batches (same sentences, same order, same number of
-        updates an epoch), so the study compares models, not batchings. The BERT stream of a batch may then hold
-        more than ``data.max_tokens`` padded WordPieces (on Multi30k up to 1.47x the budget for a sentence, 2.11x
-        with the previous sentence as context); :mod:`nmtcore.sweep.memory` counts that."""
+        The budget counts the tokens of the model's own source and target, never an extra BERT stream's
+        WordPieces, as fairseq and the papers' code do: a BERT arm then trains on exactly its control's batches
+        (same sentences, same order, same number of updates an epoch), so the study compares models, not
+        batchings. The BERT stream of a batch may then hold more than ``data.max_tokens`` padded WordPieces (on
+        Multi30k up to 1.47x the budget for a sentence, 2.11x with the previous sentence as context);
+        :mod:`nmtcore.sweep.memory` counts that. A model whose source *is* the BERT stream (PLM-sponsored,
+        ``source_is_bert_stream``) has it counted (:meth:`budgeted_bert_lens`)."""
         split = self.data.splits[self.cfg.data.train_split]
         dc = self.cfg.data
         for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size):
+                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
+                                 bert_lens=self.budgeted_bert_lens(split)):
             yield self.collate(split, idx)
 
     def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
         """Batches of ``split`` in length order, unshuffled; NMT tokens only, as :meth:`train_batches`."""
         dc = self.cfg.data
-        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False):
+        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False,
+                                 bert_lens=self.budgeted_bert_lens(split)):
             yield self.collate(split, idx)
+
+    def budgeted_bert_lens(self, split: EncodedSplit) -> np.ndarray | None:
+        """The BERT stream's lengths when the token budget counts them (the model's source is that stream), else
+        None: an extra BERT input does not change a batch."""
+        return split.bert_lens if self.model.source_is_bert_stream else None
 
     def collate(self, split: EncodedSplit, idx: np.ndarray) -> Batch:
         """The sentences ``idx`` of ``split`` as a padded batch on the trainer's device."""

@@ -63,6 +63,10 @@ class NMTModel(nn.Module):
     # A model that distils from a frozen copy of its own PLM may build the teacher and leave it idle at
     # train.kd_alpha = 1 (PLM-sponsored Table 3's "-L_kd", the α sweep's α = 1); a teacher-only BERT may not.
     idle_kd_teacher_allowed: ClassVar[bool] = False
+    # A model whose encoder reads the BERT stream *instead of* the NMT source (PLM-sponsored) has the WordPieces
+    # as its source tokens, so the token budget counts them; for every other model the BERT stream is an extra
+    # input and the budget counts NMT tokens only (a BERT arm trains on its control's batches).
+    source_is_bert_stream: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ required
     def encode(self, batch: "Batch") -> EncoderOut:  # pragma: no cover - interface

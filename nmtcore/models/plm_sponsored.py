@@ -347,6 +347,7 @@ class PlmSponsored(NMTModel):
     docstring for the losses it returns while training."""
 
     idle_kd_teacher_allowed: ClassVar[bool] = True  # Table 3's "-L_kd" and the α sweep's α = 1
+    source_is_bert_stream: ClassVar[bool] = True  # the source BERT's WordPieces are the source: the budget counts them
 
     def __init__(self, cfg: PlmSponsoredConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__()

@@ -12,7 +12,8 @@ The estimate adds four parts, each from the config alone (and, for a BERT, its f
   BERT's own layers, and the output layer's (tokens × vocabulary) logits and log-probabilities. The budget
   counts NMT tokens only (a BERT arm trains on its control's batches), so a batch's BERT stream can hold more
   padded WordPieces than ``data.max_tokens``: its parts are scaled by ``BERT_STREAM`` (the largest ratio
-  measured on Multi30k's training batches, rounded up);
+  measured on Multi30k's training batches, rounded up), except where the stream is the model's source and
+  counted in the budget (``NMTModel.source_is_bert_stream``);
 - nothing for the frozen-feature cache: it is memory-mapped, file-backed and reclaimable.
 
 The constants were fitted to peak RSS measured on 2026-11-24 (2-core Xeon, fp32; see ``tests/test_memory.py``
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmtcore.config import ExperimentConfig
+from nmtcore.models import model_class
 
 GIB = 1024**3
 MIB = 1024**2
@@ -109,8 +111,11 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
     acts += LOGIT_COPIES * tokens * cfg.data.vocab_size * FLOAT
     bert_weights = 0
     if bert is not None and m.bert.enabled:
-        with_context = m.name == "doc_context" or m.bert.context != "none"
-        wordpieces = int(tokens * BERT_STREAM["context" if with_context else "sentence"])  # a batch's BERT stream
+        if model_class(m).source_is_bert_stream:  # the budget counts the stream (PLM-sponsored's source)
+            wordpieces = tokens
+        else:  # a batch's BERT stream, sized by its NMT tokens
+            with_context = m.name == "doc_context" or m.bert.context != "none"
+            wordpieces = int(tokens * BERT_STREAM["context" if with_context else "sentence"])
         fused = m.encoder_layers + m.decoder_layers  # an upper bound: every NMT layer attends to BERT
         params += fused * (2 * d * d + 2 * d * bert.hidden + 4 * d)
         acts += wordpieces * FLOAT * fused * BERT_ATTENTION_FLOATS * d
