@@ -12,6 +12,12 @@ split's mean reference length in subwords (+1 for EOS), i.e. about what a model 
 Bar (the issue): PLM-sponsored decoding >= 0.5 x the baseline's sentences/s. The baseline's speed against
 fairseq on a model that translates is ``bench/vs_fairseq.py``'s.
 
+Besides the speed, each model's matrix-multiply work per sentence is counted (``torch.utils.flop_counter`` over
+one decode of the first 128 sentences: every mm/addmm/bmm/attention product) and the machine's peak matmul rate
+measured in the same run (a 2048² product in the decoding dtype), which bounds what overhead removal can give:
+no model decodes faster than its matmul work at the peak rate. ``bound vs baseline`` is that best case against
+the baseline's measured speed.
+
   python bench/decode_speed.py --data-dir ../shared/data [--threads 2] [--beam 5] [--models all]
 """
 
@@ -24,11 +30,13 @@ import time
 
 import numpy as np
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from nmtcore.bert import ensure_bert
 from nmtcore.config import DecodeConfig, preset
 from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
+from nmtcore.devices import autocast_dtype
 from nmtcore.engine import build_trainer, setup_torch
 
 from finetune_memory import CASES  # bench/: the PLM-sponsored trial as the kd_alpha study trains it
@@ -56,9 +64,26 @@ def decode(cfg, label: str, split_name: str, n: int, dcfg: DecodeConfig) -> floa
     t0 = time.perf_counter()
     hyps = translate_split(trainer.model, split, data.vocab, dcfg, trainer.device)
     wall = time.perf_counter() - t0
+    with FlopCounterMode(display=False) as counter:
+        counted = translate_split(trainer.model, split.select(range(min(128, len(split.src)))), data.vocab, dcfg,
+                                  trainer.device)
+    gflop = counter.get_total_flops() / 1e9 / len(counted)
     print(f"{label}: sentences={len(hyps)} gen_s={wall:.2f} sent_per_s={len(hyps) / wall:.1f} "
-          f"parameters={trainer.model.num_parameters() / 1e6:.1f}M loadavg={os.getloadavg()[0]:.1f}", flush=True)
-    return len(hyps) / wall
+          f"matmul_gflop_per_sentence={gflop:.2f} parameters={trainer.model.num_parameters() / 1e6:.1f}M "
+          f"loadavg={os.getloadavg()[0]:.1f}", flush=True)
+    return len(hyps) / wall, gflop
+
+
+def peak_matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 20) -> float:
+    """The best of ``reps`` timed n×n products in ``dtype`` (GFLOP/s) at the current thread count."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
 
 
 def main() -> int:
@@ -88,10 +113,18 @@ def main() -> int:
     dcfg = DecodeConfig(beam=args.beam, max_len_a=0.0, max_len_b=length, min_len=length, max_sentences=128)
     print(f"threads={torch.get_num_threads()} beam={args.beam} split={args.split} sentences<={args.sentences} "
           f"every hypothesis {length} tokens (EOS included) precision={dcfg.precision}", flush=True)
-    speed = {name: decode(base.with_overrides(MODELS[name]), name, args.split, args.sentences, dcfg) for name in names}
-    for name in (m for m in names if m != "baseline"):
-        print(f"RESULT {name}: sentences/s vs baseline={speed[name] / speed['baseline']:.2f}"
-              + (" (bar >= 0.5)" if name == "plm_sponsored" else ""), flush=True)
+    runs = {name: decode(base.with_overrides(MODELS[name]), name, args.split, args.sentences, dcfg) for name in names}
+    dtype = autocast_dtype(dcfg.precision, torch.device("cpu")) or torch.float32
+    peak = peak_matmul_gflops(dtype)
+    print(f"peak matmul rate ({str(dtype).replace('torch.', '')}, 2048², {torch.get_num_threads()} threads): "
+          f"{peak:.0f} GFLOP/s", flush=True)
+    base_speed = runs["baseline"][0]
+    for name, (sps, gflop) in runs.items():
+        bound = peak / gflop  # sentences/s if nothing but the matmuls ran, each at the peak rate
+        print(f"RESULT {name}: sentences/s vs baseline={sps / base_speed:.2f}"
+              + (" (bar >= 0.5)" if name == "plm_sponsored" else "")
+              + f" matmul work vs baseline={gflop / runs['baseline'][1]:.2f} bound={bound:.0f} sentences/s"
+              f" (measured {sps / bound:.0%} of it) bound vs baseline={bound / base_speed:.2f}", flush=True)
     return 0
 
 
