@@ -3,8 +3,8 @@
 Trains the Multi30k En→De 3+3 / d256 / 4 heads / FFN 1024 Transformer exactly as the peer script does:
   run "thr":  lr 5e-4, warmup 4000, 200 updates  → training target tokens/s
   run "qual": lr 1e-3, warmup 400,  500 updates  → validation loss, test_2016_flickr BLEU (beam 5, greedy)
-and decodes test_2016_flickr with beam 5 and greedy (max_len 1.2·src + 10, 128 sentences per batch),
-printing one machine-readable line per figure. With ``--peer-log`` (the peer script's output) it also
+and decodes test_2016_flickr with beam 5 and greedy (max_len 1.2·src + 10, 128 sentences per batch) in a new
+process that loads the checkpoint, as ``fairseq-generate`` does, printing one machine-readable line per figure. With ``--peer-log`` (the peer script's output) it also
 prints nmtcore/fairseq ratios. Each decode also counts its matrix-multiply work (a second, untimed pass) and
 prints the speed that work allows at the machine's peak matmul rate (``bound_sent_per_s``): no implementation
 of the same model, beam and output passes it here, so ``beam5_bound_sent_per_s`` says how far a decoding ratio
@@ -20,6 +20,7 @@ import json
 import os
 import re
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,26 @@ def decode_run(args, trainer, name, beam, precision, data):
     return fig
 
 
+def decode_fresh(args, precision: str) -> dict[str, dict]:
+    """Decode the quality run's checkpoint in a new process, as ``fairseq-generate`` decodes fairseq's, not in the
+    process that trained (whose heap training has shaped: 122.6 sentences/s at beam 5 there in a full run on
+    2026-11-26, 152-159 from fresh processes later that day, same checkpoint and machine, not side by side)."""
+    cmd = [sys.executable, __file__, "--data-dir", args.data_dir, "--out", args.out, "--threads", str(args.threads),
+           "--precisions", precision, "--skip-thr", "--reuse", "--decode-child", "--max-tokens", str(args.max_tokens)]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    figures = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("DECODE "):
+            figures.update(json.loads(line[7:]))
+        elif line.startswith("nmtcore qual beam="):
+            print(line, flush=True)
+    if out.returncode != 0 or len(figures) != 2:
+        raise SystemExit(f"decoding process failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return figures
+
+
 def peer_figures(path: str) -> dict[str, dict[str, str]]:
     runs = {}
     for line in Path(path).read_text().splitlines():
@@ -120,6 +141,7 @@ def main() -> int:
                         "(it sorts by source length only), ~3675 gives its 3446 target tokens per update")
     p.add_argument("--reuse", action="store_true", help="decode the checkpoints of an earlier run, no training")
     p.add_argument("--peer-log", help="output of ../shared/bench/peer_fairseq.sh, for ratios")
+    p.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     data = prepare_data(experiment(args, "thr", 5e-4, 4000, args.thr_updates, "fp32").data)
     print(f"nmtcore data: train_pairs={len(data.train)} vocab={len(data.vocab)} "
@@ -131,8 +153,13 @@ def main() -> int:
             r["thr"], _ = train_run(args, "thr", 5e-4, 4000, args.thr_updates, precision, data)
         if not args.skip_qual:
             r["qual"], trainer = train_run(args, "qual", 1e-3, 400, 500, precision, data)
-            r["qual_beam5"] = decode_run(args, trainer, "qual", 5, precision, data)
-            r["qual_greedy"] = decode_run(args, trainer, "qual", 1, precision, data)
+            if args.decode_child:  # this process decodes and hands the figures back
+                for key, beam in (("qual_beam5", 5), ("qual_greedy", 1)):
+                    print("DECODE " + json.dumps({key: decode_run(args, trainer, "qual", beam, precision, data)}),
+                          flush=True)
+                return 0
+            del trainer
+            r.update(decode_fresh(args, precision))
         results[precision] = r
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"nmtcore peak_rss_mb={rss:.0f}")
