@@ -98,9 +98,11 @@ def decode_run(args, trainer, name, beam, precision, data):
 
 
 def decode_fresh(args, precision: str) -> dict[str, dict]:
-    """Decode the quality run's checkpoint in a new process, as ``fairseq-generate`` decodes fairseq's, not in the
-    process that trained (whose heap training has shaped: 122.6 sentences/s at beam 5 there in a full run on
-    2026-11-26, 152-159 from fresh processes later that day, same checkpoint and machine, not side by side)."""
+    """Decode the quality run's checkpoint in a new process, as ``fairseq-generate`` decodes fairseq's right after
+    its training. Measured on 2026-11-26 (same checkpoint, 2 threads): 122.6 sentences/s at beam 5 inside the
+    training process of a full run, 120.8 in a fresh process right after a full run's training, 152-159 from
+    fresh processes on a machine that had not just trained for ten minutes: what slows the decode is the
+    machine's state after training, not the process, and the peer's decode meets the same state."""
     cmd = [sys.executable, __file__, "--data-dir", args.data_dir, "--out", args.out, "--threads", str(args.threads),
            "--precisions", precision, "--skip-thr", "--reuse", "--decode-child", "--max-tokens", str(args.max_tokens)]
     if args.cache_dir:
