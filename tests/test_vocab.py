@@ -111,6 +111,18 @@ def test_cache_hit_does_not_retrain(corpus_files: list[Path], tmp_path: Path,
         SubwordVocab.train_or_load(corpus_files, 160, tmp_path)
 
 
+def test_the_same_text_gives_the_same_vocabulary_bytes_in_any_cache(corpus_files: list[Path], tmp_path: Path) -> None:
+    """The checksum names the vocabulary, not its build: two builds in two cache directories (other temporary
+    paths, other process state) give identical model files, so checkpoints and cached baselines carry over."""
+    first = SubwordVocab.train_or_load(corpus_files, 150, tmp_path / "a")
+    second = SubwordVocab.train_or_load(corpus_files, 150, tmp_path / "elsewhere" / "b")
+    assert first.model_path != second.model_path
+    assert first.model_path.read_bytes() == second.model_path.read_bytes() and first.checksum == second.checksum
+    assert str(tmp_path).encode() not in first.model_path.read_bytes()  # no build path recorded in the model
+    readable = first.model_path.with_suffix(".vocab").read_text(encoding="utf-8").splitlines()
+    assert len(readable) == len(first) and readable[5].split("\t")[0] == first.sp.id_to_piece(5)
+
+
 def test_cache_key_depends_on_content_not_name(corpus_files: list[Path], tmp_path: Path) -> None:
     copy = tmp_path / "renamed.txt"
     copy.write_bytes(corpus_files[0].read_bytes())
@@ -122,8 +134,8 @@ def test_cache_key_depends_on_content_not_name(corpus_files: list[Path], tmp_pat
 
 def test_interrupted_training_leaves_nothing(corpus_files: list[Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    def half_then_die(texts: object, vocab_size: int, model_prefix: Path) -> None:
-        Path(f"{model_prefix}.model").write_bytes(b"half a model")
+    def half_then_die(texts: object, vocab_size: int, model_file: Path) -> None:
+        model_file.write_bytes(b"half a model")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(tokenization, "_train", half_then_die)

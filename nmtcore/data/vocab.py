@@ -19,6 +19,7 @@ place, so a run killed mid-training never leaves a half vocabulary that a later 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -135,7 +136,7 @@ class SubwordVocab:
             return cls.load(final / "spm.model")
         # A concurrent run that finishes the same vocabulary first wins; theirs is identical by construction.
         with atomic_directory(final) as tmp:
-            _train(texts, vocab_size, tmp / "spm")
+            _train(texts, vocab_size, tmp / "spm.model")
             meta = {"vocab_size": vocab_size, "format": VOCAB_FORMAT, "options": TRAINER_OPTIONS,
                     "sentencepiece": spm.__version__, "texts": [str(Path(t).resolve()) for t in texts]}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
@@ -205,13 +206,19 @@ def _read_lines(texts: Sequence[Path]) -> Iterator[str]:
                 yield line.rstrip("\n")
 
 
-def _train(texts: Sequence[Path], vocab_size: int, model_prefix: Path) -> None:
-    """Run the SentencePiece trainer; turn its multi-line C++ errors into one-line VocabErrors."""
+def _train(texts: Sequence[Path], vocab_size: int, model_file: Path) -> None:
+    """Run the SentencePiece trainer, write ``model_file`` and a readable ``.vocab`` beside it (piece, score);
+    turn the trainer's multi-line C++ errors into one-line VocabErrors.
+
+    The model is written from memory (``model_writer``), not through ``model_prefix``: the trainer records its
+    options in the model, and a prefix (here a temporary directory under the cache, with a process id and a
+    random suffix) made every build's bytes, and so the vocabulary's checksum, differ for the same pieces."""
     # A sentence iterator instead of ``input=a,b``: file names with commas would be split by the trainer.
+    buffer = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=_read_lines(texts),
-            model_prefix=str(model_prefix),
+            model_writer=buffer,
             vocab_size=vocab_size,
             minloglevel=2,  # the trainer logs hundreds of lines to stderr otherwise
             **TRAINER_OPTIONS,
@@ -229,3 +236,9 @@ def _train(texts: Sequence[Path], vocab_size: int, model_prefix: Path) -> None:
                 f"the 4 special ids needs an entry, so it must be >= {m[2]}"
             ) from None
         raise VocabError(f"SentencePiece training failed: {msg.splitlines()[-1] if msg else e!r}") from None
+    blob = buffer.getvalue()
+    model_file.write_bytes(blob)
+    sp = spm.SentencePieceProcessor()
+    sp.load_from_serialized_proto(blob)
+    lines = (f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    model_file.with_suffix(".vocab").write_text("".join(lines), encoding="utf-8")
