@@ -192,7 +192,7 @@ class Trainer:
             yield self.collate(split, idx)
 
     def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
-        """Batches of ``split`` in length order, unshuffled; NMT tokens only, as :meth:`train_batches`."""
+        """Batches of ``split`` in length order, unshuffled, under the budget :meth:`train_batches` counts."""
         dc = self.cfg.data
         for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=False,
                                  bert_lens=self.budgeted_bert_lens(split)):
