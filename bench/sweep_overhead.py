@@ -79,7 +79,7 @@ def main() -> int:
             t0 = time.perf_counter()
             direct = run_experiment(cfg.with_overrides({"output_dir": str(work / f"direct{i}")}), resume=False)
             direct_walls.append(time.perf_counter() - t0)
-            bleus.add(round(next(iter(direct["test"].values()))["bleu"], 4))
+            bleus.add(round(next(iter(direct.test.values())).bleu, 4))
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         else:  # the same trial as a one-trial sweep (the grid's only point is the config's own d_model)
             space = SearchSpace("bench", "one", None, params={"model.d_model": grid((cfg.model.d_model,))},
