@@ -50,6 +50,8 @@ def test_the_estimate_grows_with_the_batch_the_bert_and_fine_tuning() -> None:
     doc = base.with_overrides({"model.name": "doc_context", "model.bert.name": "minilm", "model.bert.freeze": False})
     tuned_doc = trial_memory(doc, bert)
     assert tuned_doc.activations - small.activations > 1.4 * (tuned.activations - small.activations)
+    longer = trial_memory(doc.with_overrides({"model.context_sentences": 2}), bert)  # a longer context segment
+    assert longer.activations > tuned_doc.activations and longer.weights == tuned_doc.weights
     assert "GiB" in frozen.describe()
 
 

@@ -11,8 +11,8 @@ The estimate adds four parts, each from the config alone (and, for a BERT, its f
   encoder and decoder layer (widths counted per layer below), the BERT-attention branches, a fine-tuned
   BERT's own layers, and the output layer's (tokens × vocabulary) logits and log-probabilities. The budget
   counts NMT tokens only (a BERT arm trains on its control's batches), so a batch's BERT stream can hold more
-  padded WordPieces than ``data.max_tokens``: its parts are scaled by ``BERT_STREAM`` (the largest ratio
-  measured on Multi30k's training batches, rounded up), except where the stream is the model's source and
+  padded WordPieces than ``data.max_tokens``: its parts are scaled by ``BERT_STREAM_*`` (the largest ratio
+  measured on Multi30k's training batches, rounded up, and more per context sentence), except where the stream is the model's source and
   counted in the budget (``NMTModel.source_is_bert_stream``);
 - nothing for the frozen-feature cache: it is memory-mapped, file-backed and reclaimable.
 
@@ -44,8 +44,9 @@ BERT_LAYER_FLOATS = (14, 3)  # a fine-tuned BERT layer, (× hidden, × intermedi
 LOGIT_COPIES = 2  # the logits and the loss's log-probabilities (its gradient is written in place)
 # Padded WordPieces of a batch's BERT stream per unit of the NMT budget, at most: measured over Multi30k's training
 # batches (multi30k_small, MiniLM's WordPieces) 1.47 for the sentence alone, 2.11 with the previous sentence as
-# context ([CLS] context [SEP] sentence [SEP]: the document model, model.bert.context=previous).
-BERT_STREAM = {"sentence": 1.5, "context": 2.2}
+# context ([CLS] context [SEP] sentence [SEP]: the document model, model.bert.context=previous). Each context
+# sentence is counted at what the first one added (not measured beyond one).
+BERT_STREAM_SENTENCE, BERT_STREAM_PER_CONTEXT = 1.5, 0.7
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,9 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
     if bert is not None and m.bert.enabled:
         if model_class(m).source_is_bert_stream:  # the budget counts the stream (PLM-sponsored's source)
             wordpieces = tokens
-        else:  # a batch's BERT stream, sized by its NMT tokens
-            with_context = m.name == "doc_context" or m.bert.context != "none"
-            wordpieces = int(tokens * BERT_STREAM["context" if with_context else "sentence"])
+        else:  # a batch's BERT stream, sized by its NMT tokens; the document model's context_sentences, else one
+            context = getattr(m, "context_sentences", 1 if m.bert.context != "none" else 0)  # previous sentence
+            wordpieces = int(tokens * (BERT_STREAM_SENTENCE + BERT_STREAM_PER_CONTEXT * context))
         fused = m.encoder_layers + m.decoder_layers  # an upper bound: every NMT layer attends to BERT
         params += fused * (2 * d * d + 2 * d * bert.hidden + 4 * d)
         acts += wordpieces * FLOAT * fused * BERT_ATTENTION_FLOATS * d
