@@ -24,6 +24,7 @@ the baseline's measured speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -74,8 +75,10 @@ def decode(cfg, label: str, split_name: str, n: int, dcfg: DecodeConfig) -> floa
     return len(hyps) / wall, gflop
 
 
+@functools.lru_cache(maxsize=None)
 def peak_matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 20) -> float:
-    """The best of ``reps`` timed n×n products in ``dtype`` (GFLOP/s) at the current thread count."""
+    """The best of ``reps`` timed n×n products in ``dtype`` (GFLOP/s) at the current thread count; measured once
+    per process and dtype (vs_fairseq asks for it at every decode)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
     best = float("inf")
