@@ -5,12 +5,13 @@ here (:mod:`~nmtcore.bert.pretrain`, :mod:`~nmtcore.bert.ensure`)."""
 
 from nmtcore.bert.ensure import ensure_bert
 from nmtcore.bert.errors import BertError, BertNotFoundError, PretrainError
-from nmtcore.bert.layer import BertKD, BertLayer, BertOut, KDStates, bert_layers, pool_to_tokens, prepare_bert_inputs
+from nmtcore.bert.layer import (BertKD, BertLayer, BertOut, KDStates, bert_layers, pool_to_tokens, prepare_bert_inputs,
+                                release_unusable_features)
 from nmtcore.bert.resolve import (BertSpec, ResolvedBert, default_cache_dir, google_small_bert, network_allowed,
                                   resolve_bert)
 from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_table
 
 __all__ = ["BertError", "BertKD", "BertLayer", "BertNotFoundError", "BertOut", "BertSpec", "KDStates", "PretrainError",
            "ResolvedBert", "WordPieceEncoder", "bert_layers", "default_cache_dir", "ensure_bert", "google_small_bert",
-           "network_allowed", "nmt_word_index", "pool_to_tokens", "prepare_bert_inputs", "resolve_bert",
+           "network_allowed", "nmt_word_index", "pool_to_tokens", "prepare_bert_inputs", "release_unusable_features", "resolve_bert",
            "word_start_table"]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nmtcore import bleu
-from nmtcore.bert import prepare_bert_inputs
+from nmtcore.bert import prepare_bert_inputs, release_unusable_features
 from nmtcore.checkpoint import (
     CheckpointError,
     average_checkpoints,
@@ -167,6 +167,7 @@ class Trainer:
         BERT-JAM code; the LR schedule's update counter carries over."""
         phase = self.phases[index]
         counts = apply_phase(self.model, phase)
+        release_unusable_features(self.model, self.data)  # a BERT fine-tuned from here on: its cache is stale
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.train)
         self._wrap_ddp()
         self.phase_index = index
