@@ -195,3 +195,26 @@ def test_bf16_loss_in_blocks_of_rows_equals_the_formula_across_block_boundaries(
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-6)
     assert grad[1, 20:].abs().sum() == 0 and grad[4, 3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_nll_is_pytorchs_cross_entropy_without_an_fp32_copy_of_bf16_logits(dtype) -> None:
+    """PLM-sponsored's L_MLM and L_T: the mean NLL of every row, value and gradient as ``F.cross_entropy`` on
+    fp32 logits; for bf16 logits nothing of (rows × vocabulary) size is kept in fp32 for the backward pass."""
+    from nmtcore.nn.cross_entropy import mean_nll
+
+    torch.manual_seed(3)
+    logits = (torch.randn(70, 3000) * 2).to(dtype).requires_grad_()
+    target = torch.randint(0, 3000, (70,))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = mean_nll(logits, target)
+    exact = logits.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(exact, target)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    (grad,) = torch.autograd.grad(loss * 1.7, logits)
+    (ref_grad,) = torch.autograd.grad(ref * 1.7, exact)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-7)
+    if dtype == torch.bfloat16:
+        assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= logits.numel()]

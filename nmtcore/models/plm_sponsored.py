@@ -109,6 +109,7 @@ from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
                         SinusoidalPositions, attend, causal_mask, dropout, merge_heads, split_heads)
 from nmtcore.nn.checkpointing import checkpoint_layers
+from nmtcore.nn.cross_entropy import mean_nll
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch, PreparedData
@@ -496,10 +497,11 @@ class PlmSponsored(NMTModel):
 
 
 def _mean_nll(logits: Tensor, target: Tensor, anchor: Tensor) -> Tensor:
-    """Mean cross-entropy in fp32; 0 (still in the graph through ``anchor``) when nothing is selected."""
+    """Mean cross-entropy in fp32 (:func:`~nmtcore.nn.cross_entropy.mean_nll`: no (N, V) fp32 copy of the
+    logits); 0 (still in the graph through ``anchor``) when nothing is selected."""
     if target.numel() == 0:
         return anchor.float().sum() * 0.0
-    return F.cross_entropy(logits.float(), target)
+    return mean_nll(logits, target)
 
 
 __all__ = ["PlmSponsored", "TargetBertDecoder", "CoordinatorAttention"]
