@@ -13,5 +13,5 @@ from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_
 
 __all__ = ["BertError", "BertKD", "BertLayer", "BertNotFoundError", "BertOut", "BertSpec", "KDStates", "PretrainError",
            "ResolvedBert", "WordPieceEncoder", "bert_layers", "default_cache_dir", "ensure_bert", "google_small_bert",
-           "network_allowed", "nmt_word_index", "pool_to_tokens", "prepare_bert_inputs", "release_unusable_features", "resolve_bert",
-           "word_start_table"]
+           "network_allowed", "nmt_word_index", "pool_to_tokens", "prepare_bert_inputs", "release_unusable_features",
+           "resolve_bert", "word_start_table"]

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from nmtcore.bert import BertLayer
 from nmtcore.config import BertJamConfig, PhaseConfig
 from nmtcore.models.transformer import Transformer
+from nmtcore.nn.checkpointing import checkpoint_layers
 from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend,
                         causal_mask, combine, compute_dtype, merge_heads, split_heads)
 
@@ -119,22 +119,16 @@ class LayerGLU(nn.Module):
         alpha[-1] = 1.0  # Eq. 11
         self.alpha = nn.Parameter(alpha)
         self.beta = nn.Parameter(torch.zeros(num_bert_layers)) if gated else None
+        checkpoint_layers([self])
 
     def forward(self, states: Tensor) -> Tensor:
-        """states (B, M, L_B, H) → (B, M, H).
+        """states (B, M, L_B, H) → (B, M, H). Σ α_i B_i and Σ β_i B_i come from one pass over the states.
 
-        While training, only ``states`` (shared by every layer's GLU) is kept for the backward pass and the
-        GLU runs again there: the einsum's own saved input is a permuted copy of all L_B layers' states, per
-        GLU — six such copies were 29% of BERT-JAM's activations while BERT is fine-tuned (measured on
-        Multi30k's largest batch), and the recomputation is ~1% of a step.
+        Recomputed in the backward pass while its weights train (:func:`~nmtcore.nn.checkpointing.checkpoint_layers`,
+        set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, where the einsum would keep its
+        own permuted copy of all L_B layers' states per GLU — six such copies were 29% of BERT-JAM's activations
+        while BERT is fine-tuned (measured on Multi30k's largest batch); the recomputation is ~1% of a step.
         """
-        if torch.is_grad_enabled() and (states.requires_grad or self.alpha.requires_grad
-                                        or (self.beta is not None and self.beta.requires_grad)):
-            return checkpoint(self._mix, states, use_reentrant=False)
-        return self._mix(states)
-
-    def _mix(self, states: Tensor) -> Tensor:
-        """Σ α_i B_i and Σ β_i B_i from one pass over the states."""
         if self.beta is None:
             return torch.einsum("bmlh,l->bmh", states, self.alpha)  # Σ α_i B_i
         mix, pre_gate = torch.einsum("bmlh,lk->kbmh", states, torch.stack([self.alpha, self.beta], dim=1))

@@ -80,15 +80,15 @@ def _block_rows(vocab: int) -> int:
 
 def smoothed_cross_entropy(logits: Tensor, target: Tensor, keep: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """``(Σ loss, Σ nll)`` over the rows of ``logits`` (M, V) where ``keep`` (M,) is True; ``target`` (M,).
-    ``loss = (1 − ε − ε_i)·nll + ε_i·Σ_v −log p_v`` with ``ε_i = ε / (V − 1)``; the gradient comes back in the
-    logits' dtype (see :class:`SmoothedCrossEntropy` for what is kept for the backward pass)."""
+    ``loss = (1 − ε − ε_i)·nll + ε_i·Σ_v −log p_v`` with ``ε_i = ε / (V − 1)``; the gradient comes back in
+    the logits' dtype (see :class:`SmoothedCrossEntropy` for what is kept for the backward pass)."""
     return SmoothedCrossEntropy.apply(logits, target, keep, epsilon)
 
 
 def mean_nll(logits: Tensor, target: Tensor) -> Tensor:
     """Mean cross-entropy of every row of ``logits`` (M, V) against ``target`` (M,), in fp32, as
     ``F.cross_entropy(logits.float(), target)`` gives, without its (M, V) fp32 copy and log-softmax; M > 0."""
-    loss, _ = SmoothedCrossEntropy.apply(logits, target, torch.ones_like(target, dtype=torch.bool), 0.0)
+    loss, _ = smoothed_cross_entropy(logits, target, torch.ones_like(target, dtype=torch.bool), 0.0)
     return loss / target.numel()
 
 

@@ -12,8 +12,8 @@ The estimate adds four parts, each from the config alone (and, for a BERT, its f
   BERT's own layers, and the output layer's (tokens × vocabulary) logits and log-probabilities. The budget
   counts NMT tokens only (a BERT arm trains on its control's batches), so a batch's BERT stream can hold more
   padded WordPieces than ``data.max_tokens``: its parts are scaled by ``BERT_STREAM_*`` (the largest ratio
-  measured on Multi30k's training batches, rounded up, and more per context sentence), except where the stream is the model's source and
-  counted in the budget (``NMTModel.source_is_bert_stream``);
+  measured on Multi30k's training batches, rounded up, and more per context sentence), except where the stream
+  is the model's source and counted in the budget (``NMTModel.source_is_bert_stream``);
 - nothing for the frozen-feature cache: it is memory-mapped, file-backed and reclaimable.
 
 The constants were fitted to peak RSS measured on 2026-11-24 (2-core Xeon, fp32; see ``tests/test_memory.py``
