@@ -55,12 +55,12 @@ def small_batch():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster (2 CPUs, no dashboard) for the module, its session files cleaned after."""
-    from nmtcore.sweep import ray_cluster as rayc
+    from nmtcore.sweep import ray_backend
 
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are length-limited
-    rayc.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
+    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
     yield
-    rayc.shutdown_ray()
+    ray_backend.shutdown_ray()
     shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -430,11 +430,11 @@ def test_sweep_space_with_a_missing_key_fails_before_ray(world: World, tmp_path:
     from types import SimpleNamespace as Study
 
     from nmtcore.cli import sweep as cli
-    from nmtcore.sweep import ray_cluster as rayc
+    from nmtcore.sweep import ray_backend
 
     space = SearchSpace("transformer_grid", "typo", "transformer", params={"model.d_modle": grid((128, 256))})
     study = Study(STUDY="transformer_grid", SPACES={"typo": space}, DEFAULT="typo")
-    monkeypatch.setattr(rayc, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray_backend, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
     monkeypatch.setattr(sys, "argv", ["sweeps/sweep.py"])
     code = cli.main(study, sweep_args(world, tmp_path, "typo"))
     err = capsys.readouterr().err
@@ -466,11 +466,11 @@ def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: P
     import search_spaces
     from nmtcore.cli import sweep as cli
     from nmtcore.sweep import driver
-    from nmtcore.sweep import ray_cluster as rayc
+    from nmtcore.sweep import ray_backend
     from nmtcore.sweep import settings as sweep_settings
 
     assert sweep_settings.SweepSettings(name="s", storage=str(tmp_path)).dashboard_host == "127.0.0.1"
-    assert inspect.signature(rayc.init_ray).parameters["dashboard_host"].default == "127.0.0.1"
+    assert inspect.signature(ray_backend.init_ray).parameters["dashboard_host"].default == "127.0.0.1"
     # The entry points leave it at the default...
     seen: dict[str, Any] = {}
 
@@ -484,12 +484,12 @@ def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: P
     assert capsys.readouterr().err == "sweep.py: error: stopped before Ray\n"
     assert seen["settings"].dashboard_host == "127.0.0.1" and seen["settings"].dashboard
     # ...and init_ray hands it to ray.init (faked: no cluster starts).
-    for k, v in rayc.RAY_ENV.items():
+    for k, v in ray_backend.RAY_ENV.items():
         monkeypatch.setenv(k, v)  # init_ray sets defaults in os.environ; monkeypatch restores them
     calls: dict[str, Any] = {}
-    monkeypatch.setattr(rayc.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(rayc.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
-    rayc.init_ray(num_cpus=1)
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_backend.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
+    ray_backend.init_ray(num_cpus=1)
     assert calls["dashboard_host"] == "127.0.0.1" and calls["include_dashboard"] is True
     # The MLflow UI command printed after a sweep serves a local store on 127.0.0.1 only.
     ui = tracking.ui_command(world.uri)

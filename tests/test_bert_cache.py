@@ -246,7 +246,7 @@ def test_sweep_builds_the_trials_feature_cache_before_them(tmp_path: Path, caplo
     """The pre-sweep task builds exactly the cache a trial reads: the trial's trainer then finds every split
     in it and computes nothing; a fine-tuned BERT gets no cache built for it."""
     from nmtcore.engine import build_trainer
-    from nmtcore.sweep.ray_tasks import build_features
+    from nmtcore.sweep.pre_sweep import build_features
     from nmtcore.testing.zoo import TINY_BERT
 
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],

@@ -17,7 +17,7 @@ from nmtcore.config import preset
 from nmtcore.engine import Callback
 from nmtcore.models import build_model
 from nmtcore.sweep import driver
-from nmtcore.sweep import ray_cluster as rayc
+from nmtcore.sweep import ray_backend
 from nmtcore.sweep.memory import GIB, BertFootprint, nmt_parameters, trial_memory
 from nmtcore.sweep.settings import SweepError
 from nmtcore.sweep.trial import MEMORY_TAG, is_out_of_memory
@@ -66,12 +66,12 @@ def test_a_bert_footprint_reads_the_weights_and_the_shape(tmp_path) -> None:
 def test_trials_are_packed_by_memory_as_well_as_cpus(monkeypatch, tmp_path) -> None:
     nodes = [{"node_id": "a" * 16, "cpus": 8.0, "gpus": 0.0, "memory": 10.0 * GIB},
              {"node_id": "b" * 16, "cpus": 2.0, "gpus": 0.0, "memory": 64.0 * GIB}]
-    monkeypatch.setattr(rayc, "cluster_nodes", lambda: nodes)
+    monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: nodes)
     settings = tiny_settings(tmp_path, "pack", "sqlite:///x.db")
-    assert rayc.trials_that_fit(settings) == 10  # 8 + 2 by CPUs
-    assert rayc.trials_that_fit(settings, int(3 * GIB)) == 3 + 2  # node a: 3 by memory; node b: 2 by CPUs
+    assert ray_backend.trials_that_fit(settings) == 10  # 8 + 2 by CPUs
+    assert ray_backend.trials_that_fit(settings, int(3 * GIB)) == 3 + 2  # node a: 3 by memory; node b: 2 by CPUs
     with pytest.raises(SweepError, match="GiB of memory"):
-        rayc.trials_that_fit(settings, int(100 * GIB))
+        ray_backend.trials_that_fit(settings, int(100 * GIB))
 
 
 @pytest.mark.parametrize("reason, oom", [
@@ -141,17 +141,17 @@ def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_
     one = max(trial_memory(base.with_overrides({"model.d_model": d})).total for d in (32, 64))
     budget_gb = 1.5 * one / GIB  # room for one trial (and its Tune actor's reservation), not two
     temp = Path("/tmp") / f"ray-mem-{tmp_path.name[-8:]}"
-    rayc.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False, memory_gb=budget_gb)
+    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False, memory_gb=budget_gb)
     try:
         settings = tiny_settings(tmp_path, "mem", store)
-        assert rayc.trials_that_fit(settings) == 2  # by CPUs alone both would run at once
-        assert rayc.trials_that_fit(settings, one) == 1
+        assert ray_backend.trials_that_fit(settings) == 2  # by CPUs alone both would run at once
+        assert ray_backend.trials_that_fit(settings, one) == 1
         folder = tmp_path / "intervals"
         folder.mkdir()
         result = driver.run_sweep(space, base, settings, trial_callbacks=[_Interval(str(folder))],
                                   log_to_driver=False)
     finally:
-        rayc.shutdown_ray()
+        ray_backend.shutdown_ray()
     assert not result.interrupted and {t.status for t in result.trials} == {"TERMINATED"}
     (a0, a1), (b0, b1) = sorted(json.loads(p.read_text()) for p in folder.glob("*.json"))
     assert a1 <= b0, f"trials overlapped: {a0:.0f}-{a1:.0f} and {b0:.0f}-{b1:.0f}"
@@ -161,7 +161,7 @@ def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_
 
 def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> None:
     node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 1.0, "memory": 64.0 * GIB}
-    monkeypatch.setattr(rayc, "cluster_nodes", lambda: [node])
+    monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: [node])
     settings = tiny_settings(tmp_path, "frac", "sqlite:///x.db")
-    assert rayc.trials_that_fit(replace(settings, cpus_per_trial=0.4)) == 5  # 2.0 // 0.4 == 4.0 in floats
-    assert rayc.trials_that_fit(replace(settings, cpus_per_trial=0.1, gpus_per_trial=0.1)) == 10  # 1.0 // 0.1 == 9.0
+    assert ray_backend.trials_that_fit(replace(settings, cpus_per_trial=0.4)) == 5  # 2.0 // 0.4 == 4.0 in floats
+    assert ray_backend.trials_that_fit(replace(settings, cpus_per_trial=0.1, gpus_per_trial=0.1)) == 10  # 1.0 // 0.1 == 9.0

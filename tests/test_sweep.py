@@ -13,9 +13,7 @@ import torch
 import search_spaces
 from nmtcore import tracking
 from nmtcore.engine import Callback
-from nmtcore.sweep import driver, lifecycle, plan, ray_backend
-from nmtcore.sweep import ray_cluster as rayc
-from nmtcore.sweep import ray_tasks as rayt
+from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid, loguniform, uniform
@@ -90,13 +88,13 @@ def test_cluster_mode_needs_a_tracking_server_and_shared_storage(ray_cluster, tm
     local = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path), address="10.0.0.1:6379",
                                                        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
     with pytest.raises(sweep_settings.SweepError, match="needs an MLflow tracking server every node can reach"):
-        rayc.check_cluster(local, base)
+        ray_backend.check_cluster(local, base)
     served = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path / "shared"),
                                                         address="10.0.0.1:6379", tracking_uri="http://127.0.0.1:1"))
-    rayc.check_cluster(served, base)  # one node here: it sees the storage and data paths
-    assert rayc.trials_that_fit(served) == 2
+    ray_backend.check_cluster(served, base)  # one node here: it sees the storage and data paths
+    assert ray_backend.trials_that_fit(served) == 2
     with pytest.raises(sweep_settings.SweepError, match="a trial needs 3 CPUs"):
-        rayc.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
+        ray_backend.trials_that_fit(sweep_settings.SweepSettings(name="x", storage="/tmp", cpus_per_trial=3))
 
 
 # ------------------------------------------------------------------------------- the console
@@ -136,9 +134,9 @@ def test_trials_console_says_each_step_and_where_every_trial_stands_when_silent(
 
 def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(rayt.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
     lines: list[str] = []
-    phase = rayt.PhaseProgress("train baseline x", out=lines.append)
+    phase = progress.PhaseProgress("train baseline x", out=lines.append)
     phase.line("loading data")
     assert lines[-1] == "train baseline x: loading data"
     phase.line("epoch 1/10 valid_loss 5.1")
@@ -241,18 +239,18 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     """Ray reports a finished task's CPUs free a moment later: the next task takes both CPUs, not one; CPUs that
     another sweep really holds are given up on after the settling time."""
     reports = iter([1.0, 1.0, 2.0])
-    monkeypatch.setattr(rayt.ray, "available_resources", lambda: {"CPU": next(reports)})
-    monkeypatch.setattr(rayt.time, "sleep", lambda s: None)
-    assert rayt.free_cpus(2.0) == 2.0
+    monkeypatch.setattr(ray_backend.ray, "available_resources", lambda: {"CPU": next(reports)})
+    monkeypatch.setattr(ray_backend.time, "sleep", lambda s: None)
+    assert ray_backend.free_cpus(2.0) == 2.0
     clock = [0.0]
 
     def tick() -> float:
         clock[0] += 1.0
         return clock[0]
 
-    monkeypatch.setattr(rayt.ray, "available_resources", lambda: {"CPU": 1.0})
-    monkeypatch.setattr(rayt.time, "monotonic", tick)
-    assert rayt.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
+    monkeypatch.setattr(ray_backend.ray, "available_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(ray_backend.time, "monotonic", tick)
+    assert ray_backend.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
 
 
 def test_a_trial_trains_on_idle_cpus_of_its_node_and_gives_them_back(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 
 from nmtcore import tracking
 from nmtcore.sweep import driver
-from nmtcore.sweep import ray_cluster as rayc
+from nmtcore.sweep import ray_backend
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.synthetic import tiny_experiment
 from search_spaces import SearchSpace, grid
@@ -83,12 +83,12 @@ def cluster(tmp_path_factory):
                        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}))
     uri = f"http://127.0.0.1:{port}"
     wait_for(lambda: urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200, "mlflow server")
-    rayc.init_ray(address=address, log_to_driver=False)
-    wait_for(lambda: len(rayc.cluster_nodes()) == 2, "the second node")
+    ray_backend.init_ray(address=address, log_to_driver=False)
+    wait_for(lambda: len(ray_backend.cluster_nodes()) == 2, "the second node")
     try:
         yield address, uri, tmp
     finally:
-        rayc.shutdown_ray()
+        ray_backend.shutdown_ray()
         for p in reversed(procs):
             stop(p)
         subprocess.run(["rm", "-rf", temp_dir])
@@ -99,7 +99,7 @@ def test_cluster_mode_refuses_a_local_store(cluster, tmp_path):
     s = sweep_settings.resolve_settings(sweep_settings.SweepSettings(name="x", storage=str(tmp_path), address=address,
                                                    tracking_uri=f"sqlite:///{tmp_path / 'm.db'}"))
     with pytest.raises(sweep_settings.SweepError, match="needs an MLflow tracking server.*--tracking-uri http"):
-        rayc.check_cluster(s, tiny_experiment(tmp_path))
+        ray_backend.check_cluster(s, tiny_experiment(tmp_path))
 
 
 def test_trials_run_on_both_nodes(cluster, tmp_path):
@@ -114,6 +114,6 @@ def test_trials_run_on_both_nodes(cluster, tmp_path):
     print("node ids per trial:", {d: [n[:12] for n in ids] for d, ids in nodes.items()})
     assert all(len(ids) == 1 for ids in nodes.values())
     assert nodes[32] != nodes[64]  # one 1-CPU trial per 1-CPU node: both nodes trained
-    assert {n["node_id"] for n in rayc.cluster_nodes()} == {ids[0] for ids in nodes.values()}
+    assert {n["node_id"] for n in ray_backend.cluster_nodes()} == {ids[0] for ids in nodes.values()}
     children = [r for r in tracking.load_runs("cluster", uri) if r.parent_run_id]
     assert len(children) == 2 and all(c.status == "FINISHED" for c in children)

@@ -25,7 +25,6 @@ import pytest
 from nmtcore import tracking
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, ray_backend
-from nmtcore.sweep import ray_cluster as rayc
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid
 
@@ -287,7 +286,7 @@ def test_twelve_trials_queue_and_complete_without_loss(ray_cluster, store, tmp_p
     space = SearchSpace("load", "t", "transformer", params={"model.d_model": grid(values)}, metric="valid_loss",
                         mode="min")
     s = tiny_settings(tmp_path, "load", store, cpus_per_trial=0.5)
-    fits = rayc.trials_that_fit(s)
+    fits = ray_backend.trials_that_fit(s)
     assert fits == 4  # 2 CPUs / 0.5: the other 8 trials must queue
     rss = PeakRSS()
     rss.start()

@@ -15,8 +15,7 @@ import pytest
 
 from nmtcore import tracking
 from nmtcore.engine import Callback
-from nmtcore.sweep import driver, lifecycle
-from nmtcore.sweep import ray_cluster as rayc
+from nmtcore.sweep import driver, lifecycle, ray_backend
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid
@@ -136,7 +135,7 @@ def test_leaked_worker_reservation_is_removed(ray_cluster):
     leaked = ray.get(owner.reserve.remote())
     ray.kill(owner)
     time.sleep(1.0)
-    assert rayc.remove_leaked_placement_groups() == 1
+    assert ray_backend.remove_leaked_placement_groups() == 1
     time.sleep(0.5)
     table = ray.util.placement_group_table()
     assert table[leaked]["state"] == "REMOVED" and table[mine.id.hex()]["state"] == "CREATED"

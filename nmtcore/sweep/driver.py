@@ -21,8 +21,9 @@ from typing import Any, Callable, Mapping, Sequence
 from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
-from nmtcore.sweep import ray_backend, ray_cluster, ray_tasks
+from nmtcore.sweep import pre_sweep, ray_backend
 from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
+from nmtcore.sweep.dashboard import dashboard_access
 from nmtcore.sweep.lifecycle import (
     ROLE_TAG,
     SWEEP_TAG,
@@ -127,20 +128,20 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     validate_space(space, base, settings.seeds)
     model = space.model or base.model.name
 
-    started_ray = not ray_cluster.ray_is_running()
-    dashboard_url = ray_cluster.init_ray(
+    started_ray = not ray_backend.ray_is_running()
+    dashboard_url = ray_backend.init_ray(
         settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
         log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)},
         memory_gb=settings.memory_gb)
     try:
         if settings.address:
-            ray_cluster.check_cluster(settings, base)
+            ray_backend.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints = prepare_shared(base, space)
         trial_bytes = trial_memory_bytes(space, base, footprints)
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
-            made = ray_tasks.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
+            made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
                                                     tracking_uri=settings.tracking_uri, used_by=settings.name)
             base = base.with_overrides({"train.init_from": str(made.path)})
         tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
@@ -211,7 +212,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
                 parent.end("KILLED")
     finally:
         if started_ray:
-            ray_cluster.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
+            ray_backend.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
     return SweepResult(name=settings.name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
                        experiment_path=exp_dir, interrupted=interrupted, trials=trials, report_files=report_files,
                        dashboard_url=dashboard_url, wall_s=time.perf_counter() - t0)
@@ -255,15 +256,15 @@ def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str
     ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`)
     and, for a frozen BERT, the feature cache its trials read ("prepare BERT features ...").
     Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
-    checksums = ray_tasks.prepare_data_task(base.data)
+    checksums = pre_sweep.prepare_data_task(base.data)
     footprints: dict[str, BertFootprint] = {}
     for cfg in distinct_berts(space, base):
         b = cfg.model.bert
         what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
-        made, footprints[bert_key(cfg)] = ray_tasks.ensure_bert_task(cfg, what)
+        made, footprints[bert_key(cfg)] = pre_sweep.ensure_bert_task(cfg, what)
         b = made.model.bert
         if b.freeze and b.use_cache and not b.dropout_when_frozen:  # what the trials read, made once here
-            ray_tasks.bert_features_task(made, what)
+            pre_sweep.bert_features_task(made, what)
     return checksums, footprints
 
 
@@ -314,7 +315,7 @@ def print_where(settings: SweepSettings, parent: tracking.Tracker | None, dashbo
     pre-sweep tasks show, and how to sign in to it. As the trials start: the MLflow UI and the page to open,
     this sweep's view of its arms (made here for ``space``: :func:`~nmtcore.sweep.lifecycle.publish_sweep_views`),
     the dashboard again, the Tune experiment and where the report goes."""
-    ray_lines = ray_cluster.dashboard_access(dashboard_url, local=not settings.address)
+    ray_lines = dashboard_access(dashboard_url, local=not settings.address)
     if parent is None:
         head = f"sweep {settings.name}: Ray cluster ready; the work the trials share runs first, as Ray tasks"
         print("\n".join([head, *(f"  {line}" for line in ray_lines)]), flush=True)

@@ -41,7 +41,7 @@ class BorrowIdleCpus(Callback):
     def __init__(self, probe: Callable[[], tuple[float, float]], every_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``probe()`` says (CPUs of the trial's node, CPUs of it no Ray work holds); (0, 0) turns lending off
-        (:func:`nmtcore.sweep.ray_cluster.single_node_idle_cpus`)."""
+        (:func:`nmtcore.sweep.ray_backend.single_node_idle_cpus`)."""
         self.every_s, self.probe, self.clock = every_s, probe, clock
         self.own = 0
         self.max_threads = 0

@@ -1,5 +1,5 @@
 """A trial's memory, estimated from its config before it runs, so that a sweep packs trials by memory as well
-as by CPUs (:func:`nmtcore.sweep.ray_cluster.trials_that_fit`) and Ray reserves it for the trial's workers:
+as by CPUs (:func:`nmtcore.sweep.ray_backend.trials_that_fit`) and Ray reserves it for the trial's workers:
 on a small machine a sweep then runs fewer trials at once instead of running out of memory.
 
 The estimate adds four parts, each from the config alone (and, for a BERT, its files on disk):

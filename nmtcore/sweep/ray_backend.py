@@ -1,8 +1,20 @@
-"""The Tune side of a sweep: the search, the trials and their Ray Train workers. Ray is imported by this
-module and its two siblings only (:mod:`~nmtcore.sweep.ray_cluster`, :mod:`~nmtcore.sweep.ray_tasks`).
+"""Everything of a sweep that talks to Ray, and the only module that imports it: the cluster, the pre-sweep
+tasks, and the Tune search whose trials run Ray Train workers. The rest of :mod:`nmtcore.sweep` runs and tests
+without a Ray cluster.
 
-A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore trainer inside a
-Ray Train ``TorchTrainer``::
+**The cluster.** :func:`init_ray` starts a local one (or joins ``address``); :func:`trials_that_fit` says how
+many trials it runs at once (CPUs, GPUs and each trial's memory estimate); placement groups that Ray Train
+leaks are removed. Who can reach a local cluster: every Ray process of it listens on 127.0.0.1 only (GCS,
+raylet, workers, dashboard and its agents; see :func:`_loopback_only`), and the dashboard keeps Ray's token
+authentication (:mod:`nmtcore.sweep.dashboard` says how to sign in): loopback alone does not keep out other
+users of the same machine. A joined cluster keeps its own binding and auth, after :func:`check_cluster` has
+seen that every node reaches the storage, the data and MLflow.
+
+**The pre-sweep tasks.** :func:`run_pre_sweep_task` runs the work the trials share
+(:mod:`nmtcore.sweep.pre_sweep`) once, as a named Ray task on the driver's node, and streams its progress.
+
+**The search.** A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore
+trainer inside a Ray Train ``TorchTrainer``::
 
     driver (nmtcore.sweep.driver)     Tune trial actor (_trial_main)      Train workers (_train_loop)
     ─────────────────────────────     ──────────────────────────────      ───────────────────────────
@@ -17,10 +29,9 @@ Search algorithm: a space of grid/choice dimensions is enumerated (Tune's varian
 more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, with seeds as Tune
 ``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
 
-Where things run: the cluster of :mod:`nmtcore.sweep.ray_cluster` (by default a local one of all cores,
-bound to 127.0.0.1), trials as many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a
-trial's Tune actor reserves no CPU). The work the trials share runs before them as named Ray tasks
-(:mod:`nmtcore.sweep.ray_tasks`).
+Where things run: the cluster above (by default a local one of all cores, bound to 127.0.0.1), trials as
+many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU). The work the trials share runs before them as named Ray tasks
+(:mod:`nmtcore.sweep.pre_sweep`).
 
 Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
 whose loss becomes NaN/inf ends FAILED with the reason in MLflow, and Tune's retries of it end at once
@@ -34,13 +45,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import optuna
 import ray
@@ -55,6 +69,7 @@ from ray.tune.search.optuna import OptunaSearch
 from nmtcore import tracking
 from nmtcore.bert import ensure_bert
 from nmtcore.checkpoint import epoch_checkpoints
+from nmtcore.config import ExperimentConfig
 from nmtcore.engine import (
     Callback,
     NonFiniteLossError,
@@ -82,9 +97,9 @@ from nmtcore.sweep.plan import (
     trial_overrides,
     trial_point,
 )
-from nmtcore.sweep.ray_cluster import remove_leaked_placement_groups, single_node_idle_cpus, trials_that_fit
-from nmtcore.sweep.ray_tasks import HEARTBEAT_S, PhaseProgress, console_line, duration
-from nmtcore.sweep.settings import SweepSettings, is_uri
+from nmtcore.sweep.dashboard import private_token_file
+from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress, console_line, duration
+from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
 from nmtcore.sweep.space import (
     ARM_KEY,
     CELL_KEY,
@@ -113,12 +128,370 @@ from nmtcore.sweep.trial import (
 
 log = logging.getLogger("nmtcore.sweep")
 
+T = TypeVar("T")
+
 # The Tune trial actor only waits on its TorchTrainer: it reserves no CPU (Tune refuses an empty
 # reservation, so a little logical memory instead), and a trial's CPUs all go to its workers: 2 one-CPU
 # trials fit on 2 cores, and on two 1-CPU nodes, wherever Ray puts the trial actors.
 DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
 
 
+# ---------------------------------------------------------------------------------------------- the cluster
+# Environment for every Ray process a sweep starts (local cluster or runtime_env when joining).
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "0",
+    "NMTCORE_NO_PROGRESS": "1",
+}
+
+
+def remove_leaked_placement_groups() -> int:
+    """Remove placement groups whose creating actor is dead (and that are not detached); returns how
+    many. Such a group is a Train worker group's reservation outliving its controller (a trial
+    stopped by ASHA or killed): its resources would otherwise stay reserved until the cluster ends.
+    Groups created by a driver (Tune's own trial reservations) have no creating actor and are kept."""
+    try:
+        from ray.core.generated import gcs_pb2
+        from ray.util.placement_group import (
+            PlacementGroup,
+            PlacementGroupID,
+            remove_placement_group,
+        )
+
+        table = ray.util.placement_group_table()
+        accessor = ray._private.state.state._global_state_accessor  # noqa: SLF001 - no public API has the creator
+    except Exception as e:  # pragma: no cover - depends on Ray internals
+        log.debug("placement-group check unavailable: %s", e)
+        return 0
+    removed = 0
+    for pg_hex, info in table.items():
+        if info.get("state") not in ("CREATED", "PENDING", "RESCHEDULING"):
+            continue
+        try:
+            pg_id = PlacementGroupID(bytes.fromhex(pg_hex))
+            data = gcs_pb2.PlacementGroupTableData.FromString(accessor.get_placement_group_info(pg_id))
+            creator = bytes(data.creator_actor_id)
+            if data.is_detached or not creator or set(creator) == {0xFF} or not data.creator_actor_dead:
+                continue
+            remove_placement_group(PlacementGroup(pg_id))
+            removed += 1
+            log.warning("removed leaked placement group %s %s (its creating actor died)", pg_hex, info.get("bundles"))
+        except Exception as e:  # pragma: no cover - racing with Ray's own cleanup
+            log.debug("placement group %s: %s", pg_hex, e)
+    return removed
+
+
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.0.0.1, every port on it
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
+             dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
+             env: Mapping[str, str] | None = None, memory_gb: float | None = None) -> str | None:
+    """Start a local Ray cluster (or join ``address``) unless this process is already connected;
+    returns the dashboard URL (``http://127.0.0.1:8265``) or None.
+
+    A local cluster is always a new one (never a ``ray start`` cluster found on the machine: joining one
+    is what ``address`` is for), single-node, and bound to 127.0.0.1 (:func:`_loopback_only`). Its
+    dashboard keeps Ray's token authentication (:func:`nmtcore.sweep.dashboard.dashboard_access`).
+    """
+    env_vars = {**RAY_ENV, **(env or {})}
+    for k, v in env_vars.items():
+        os.environ.setdefault(k, v)
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "runtime_env": {"env_vars": env_vars},
+                                  "configure_logging": True, "logging_level": logging.WARNING}
+        if address:
+            ctx = ray.init(address=address, **kwargs)
+        else:
+            with _loopback_only():
+                if memory_gb:  # the memory Ray may reserve for tasks and trials (default: ~70% of what is free)
+                    kwargs["_memory"] = int(memory_gb * GIB)
+                ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard,
+                               dashboard_host=dashboard_host, _temp_dir=temp_dir, **kwargs)
+            node_ip = (getattr(ctx, "address_info", None) or {}).get("node_ip_address", "127.0.0.1")
+            if node_ip != "127.0.0.1" and os.environ.get(LOOPBACK_VAR) != "1":
+                log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1 (this Ray version no longer "
+                            "honours %s=0): keep its token authentication on", node_ip, LOOPBACK_VAR)
+            private_token_file()
+        url = getattr(ctx, "dashboard_url", None)
+    else:
+        url = None
+        with contextlib.suppress(Exception):
+            url = ray._private.worker.get_dashboard_url()  # noqa: SLF001
+    if url and not url.startswith("http"):
+        url = f"http://{url}"
+    return url or None
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Any:
+    """While a local cluster starts: Ray's node IP is 127.0.0.1, so the GCS, the raylet, every worker and the
+    dashboard's agents listen there only (``dashboard_host`` covers the dashboard's HTTP port alone, and
+    ``_node_ip_address="127.0.0.1"`` is swapped for the routable address by Ray itself).
+
+    The one switch Ray has is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (it also makes the cluster
+    single-node, which a local cluster is). Ray reads it once, at ``import ray``, and this module is
+    imported before anyone knows whether the sweep will join a cluster (``--address``: there the driver
+    must be reachable from the other nodes). So the choice is made here, when a *local* cluster starts:
+    the variable is set for the processes ``ray.init`` spawns (they read it at their own import) and Ray's
+    constant for this process, both restored afterwards. A joined cluster is untouched, and so is a user's
+    explicit ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` (a local head other nodes may join).
+    """
+    from ray._private import ray_constants
+
+    if os.environ.get(LOOPBACK_VAR) == "1":
+        yield
+        return
+    saved_env, saved_const = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = saved_env
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def ray_is_running() -> bool:
+    """Whether this process is connected to a Ray cluster."""
+    return ray.is_initialized()
+
+
+def cluster_nodes() -> list[dict[str, Any]]:
+    """Alive nodes: id, address, CPUs, GPUs, Ray's ``memory`` resource (bytes)."""
+    return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress"), "cpus": n["Resources"].get("CPU", 0),
+             "gpus": n["Resources"].get("GPU", 0), "memory": n["Resources"].get("memory", 0)}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def single_node_idle_cpus() -> tuple[float, float]:
+    """(CPUs of the cluster, CPUs no Ray work holds) on a single-node cluster; (0, 0) on a larger one, where
+    the free CPUs Ray reports are not all the asking trial's node's (:mod:`nmtcore.sweep.idle_cpus`)."""
+    nodes = cluster_nodes()
+    if len(nodes) != 1:
+        return 0.0, 0.0
+    return float(nodes[0]["cpus"]), float(ray.available_resources().get("CPU", 0.0))
+
+
+def check_cluster(settings: SweepSettings, base: ExperimentConfig) -> None:
+    """For a sweep joining an existing cluster: MLflow must be a tracking server and trial storage
+    (and the data directory) must be visible from every node. Raises :class:`SweepError` saying what
+    to change. Call after connecting."""
+    uri = settings.tracking_uri or tracking.default_tracking_uri()
+    if not tracking.is_tracking_server(uri):
+        raise SweepError(f"cluster mode needs an MLflow tracking server every node can reach, not {uri}: start one "
+                         "(mlflow server --backend-store-uri sqlite:////shared/mlflow.db --host 0.0.0.0 --port 5000) "
+                         "and pass --tracking-uri http://<host>:5000")
+    paths = []
+    if not is_uri(settings.storage):
+        paths.append(("trial storage (--storage)", settings.storage))
+    data_dir = base.data.resolved_data_dir()
+    if data_dir is not None:
+        paths.append(("data directory (--data-dir)", str(data_dir)))
+    for what, path in paths:
+        missing = _nodes_missing(path)
+        if missing:
+            raise SweepError(f"cluster mode: {what} {path} is not visible from node(s) {', '.join(missing)}: "
+                             "use a shared filesystem path mounted on every node or a cloud URI (s3://, gs://)")
+
+
+def _nodes_missing(path: str) -> list[str]:
+    """Ids of alive nodes that do not see a marker file written under ``path`` by this process."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    marker = Path(path) / f".nmtcore-shared-check-{uuid.uuid4().hex}"
+    marker.write_text(socket.gethostname())
+    try:
+        @ray.remote(num_cpus=0)
+        def sees(p: str) -> bool:
+            return os.path.exists(p)
+
+        nodes = [n["node_id"] for n in cluster_nodes()]
+        refs = [sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(marker))
+                for n in nodes]
+        return [n[:12] for n, ok in zip(nodes, ray.get(refs, timeout=120)) if not ok]
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def how_many(total: float, each: float) -> int:
+    """How many ``each`` fit in ``total``, as Ray counts fractional resources: 5 × 0.4 CPU fit in 2 (floor
+    division says 4: 0.4 is stored a little above 0.4), 10 × 0.1 GPU in 1."""
+    return int(total / each + 1e-9)
+
+
+def trials_that_fit(settings: SweepSettings, trial_bytes: int = 0) -> int:
+    """How many trials the connected cluster runs at once: per node, the trials whose CPUs (and GPUs) fit on
+    it and, with ``trial_bytes`` (a trial worker's memory estimate, :mod:`nmtcore.sweep.memory`), whose memory
+    fits in the node's Ray ``memory`` resource; summed over nodes. Raises :class:`SweepError` if not even one
+    fits."""
+    total = 0
+    biggest = {"cpus": 0.0, "gpus": 0.0, "memory": 0.0}
+    per_node_cpus = settings.cpus_per_trial if settings.workers_per_trial == 1 else \
+        settings.cpus_per_trial / settings.workers_per_trial
+    limits: list[str] = []
+    for node in cluster_nodes():
+        biggest = {k: max(biggest[k], node[k]) for k in biggest}
+        n = how_many(node["cpus"], per_node_cpus) if per_node_cpus else 0
+        if settings.gpus_per_trial:
+            per_node_gpus = settings.gpus_per_trial / settings.workers_per_trial
+            n = min(n, how_many(node["gpus"], per_node_gpus))
+        if trial_bytes:
+            by_memory = int(node["memory"] // trial_bytes)
+            if by_memory < n:
+                limits.append(f"node {node['node_id'][:8]}: {by_memory} by memory ({node['memory'] / GIB:.1f} GiB "
+                              f"for trials of {trial_bytes / GIB:.2f} GiB), {n} by CPUs/GPUs")
+            n = min(n, by_memory)
+        total += n
+    if settings.workers_per_trial > 1:
+        total //= settings.workers_per_trial
+    if total < 1:
+        memory = (f", {trial_bytes / GIB:.2f} GiB of memory (estimated)" if trial_bytes else "")
+        raise SweepError(f"a trial needs {settings.cpus_per_trial} CPUs and {settings.gpus_per_trial} GPUs{memory}; "
+                         f"the largest node has {biggest['cpus']:g} CPUs, {biggest['gpus']:g} GPUs and "
+                         f"{biggest['memory'] / GIB:.1f} GiB of Ray memory (lower --cpus-per-trial / --gpus-per-trial, "
+                         "or data.max_tokens, or raise --memory-gb)")
+    for line in limits:
+        log.warning("fewer trials at once than CPUs allow: %s", line)
+    return total
+
+
+def driver_node_gpus() -> float:
+    """The GPUs of the node this process runs on (0 when Ray does not list it)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return float(next((n["gpus"] for n in cluster_nodes() if n["node_id"] == node_id), 0))
+
+
+# ---------------------------------------------------------------------------------- the pre-sweep tasks
+TASK_ENV_PREFIXES = ("NMTCORE_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MLFLOW_")
+_DONE = object()
+
+
+class _LineHandler(logging.Handler):
+    """Forwards ``nmtcore.*`` log records (BERT pretraining's steps...) as progress lines."""
+
+    def __init__(self, lines: queue.Queue[Any]) -> None:
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        self.lines.put(prefix + record.getMessage())
+
+
+@ray.remote(num_returns="streaming")
+def _pre_sweep_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], threads: int,
+                    progress_kw: str | None) -> Any:
+    """Run ``fn`` (in a thread of this Ray task) and stream ``("line", text)`` for every progress line it
+    gives (its ``progress_kw`` callback and its ``nmtcore`` log records), then ``("result", value)``."""
+    import torch
+
+    lines: queue.Queue[Any] = queue.Queue()
+    out: dict[str, Any] = {}
+    logger = logging.getLogger("nmtcore")
+    handler = _LineHandler(lines)
+    saved = (logger.level, logger.propagate, torch.get_num_threads())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the lines reach the driver through this stream, not twice through Ray's logs
+    logger.addHandler(handler)
+    torch.set_num_threads(max(1, threads))
+    if progress_kw:
+        kwargs = {**kwargs, progress_kw: lines.put}
+
+    def work() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the task
+            out["error"] = e
+        finally:
+            lines.put(_DONE)
+
+    worker = threading.Thread(target=work, name="pre-sweep", daemon=True)
+    worker.start()
+    try:
+        while (item := lines.get()) is not _DONE:
+            yield ("line", item)
+    finally:
+        worker.join()
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        torch.set_num_threads(saved[2])
+    if "error" in out:
+        raise out["error"]
+    yield ("result", out["value"])
+
+
+def free_cpus(cpus: float, settle_s: float = 5.0) -> float:
+    """The CPUs Ray has free now, waiting up to ``settle_s`` for all ``cpus`` to come back: Ray reports a task's
+    CPUs free a moment after the task ended, so the next pre-sweep task would otherwise take 1 of 2 CPUs (and
+    run on one thread) for no reason; what another sweep really holds stays held, and we go on without it."""
+    deadline = time.monotonic() + settle_s
+    while (free := ray.available_resources().get("CPU", 0.0)) < cpus and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
+def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float = 0.0,
+                       progress_kw: str | None = None, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` as a Ray task named ``name`` (so the dashboard lists it, under the sweep's
+    job), on the driver's node with its CPUs (torch threads to match) and ``gpus``, with the driver's
+    cache and hub settings; blocks until it ends, printing its progress (:class:`PhaseProgress`). Returns
+    its value; raises its exception as it was raised (a user error stays a one-line error)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in cluster_nodes() if n["node_id"] == node_id), None)
+    cpus = max(1.0, float(node["cpus"])) if node else 1.0
+    # Reserve the node's CPUs, or what is free of them: a reservation another sweep of this process left
+    # behind (a stopped trial's worker group) must not make this task wait forever for CPUs that never free.
+    remove_leaked_placement_groups()
+    reserve = max(1.0, min(cpus, float(int(free_cpus(cpus)))))
+    env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
+    progress = PhaseProgress(name)
+    progress.started(f"Ray task, {reserve:g} CPU{'s' if reserve != 1 else ''}" + (f", {gpus:g} GPU" if gpus else "")
+                     + (f" ({cpus - reserve:g} of the node's held by others)" if reserve < cpus else ""))
+    gen = _pre_sweep_task.options(
+        name=name, num_cpus=reserve, num_gpus=gpus, runtime_env={"env_vars": env},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+    ).remote(fn, args, kwargs, int(reserve), progress_kw)
+    try:
+        while True:
+            ready, _ = ray.wait([gen], timeout=HEARTBEAT_S)
+            if not ready:
+                progress.heartbeat()
+                continue
+            try:
+                kind, value = ray.get(next(gen))
+            except StopIteration:
+                raise RuntimeError(f"{name}: the task ended without a result") from None
+            if kind == "line":
+                progress.line(str(value))
+                continue
+            progress.finished()
+            return value
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            raise cause from None  # the task's own error, as the driver raised it before these were tasks
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.cancel(gen)
+        raise
+
+
+# ----------------------------------------------------------------------------------------- the search
 def param_space(space: SearchSpace, seeds: int, base_seed: int, cells: bool | None = None) -> dict[str, Any]:
     """Tune's ``param_space``: a grid of the space's cells (control included) and seeds, or, for the search
     of a sampled space (``cells=False``), its ranges as Tune domains (seeds are Optuna repeats)."""
@@ -446,7 +819,7 @@ class _SweepCallback(tune.Callback):
 class _TrialsConsole(tune.Callback):
     """The console of the trial phase, one timestamped line at a time: a trial started; each epoch it reports
     (a bar over the sweep's epochs, the metric, how long the trial has run); how it ended; and, whenever the
-    console has been silent for :data:`~nmtcore.sweep.ray_tasks.HEARTBEAT_S`, where every trial stands (Tune's
+    console has been silent for :data:`~nmtcore.sweep.progress.HEARTBEAT_S`, where every trial stands (Tune's
     own status table is not printed when the output is not a terminal, and an epoch can take many minutes)."""
 
     def __init__(self, name_of: Callable[[Any], str], metric: str, max_epochs: int,

@@ -1,0 +1,88 @@
+"""The work a sweep's trials share, run once before them as named Ray tasks on the driver's node
+(:func:`nmtcore.sweep.ray_backend.run_pre_sweep_task`): the data ("prepare data ..."), every distinct BERT
+("prepare BERT ...": made here if nothing answers, with its quality figure), its frozen-feature cache ("prepare
+BERT features ...") and the protocol's baseline ("train baseline ..." or "reuse baseline ..."). The dashboard lists
+them under the sweep's job; the console shows their progress (:class:`nmtcore.sweep.progress.PhaseProgress`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from nmtcore.bert import prepare_bert_inputs
+from nmtcore.bert.ensure import ensure_bert_resolved
+from nmtcore.config import DataConfig, ExperimentConfig
+from nmtcore.data import prepare_data
+from nmtcore.engine import setup_torch
+from nmtcore.models import build_model, prepare_model_resources
+from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
+from nmtcore.sweep.memory import BertFootprint
+from nmtcore.sweep.ray_backend import driver_node_gpus, run_pre_sweep_task
+
+
+_DATA_CHECKSUMS: dict[str, dict[str, str]] = {}  # data section -> its checksums, prepared in this process's sweeps
+
+
+def _data_key(data: DataConfig) -> str:
+    return json.dumps(asdict(data), sort_keys=True, default=repr)
+
+
+def _prepare_data_checksums(data: DataConfig) -> dict[str, str]:
+    return dict(prepare_data(data).checksums)
+
+
+def prepare_data_task(data: DataConfig) -> dict[str, str]:
+    """Prepare a data section (read, vocabulary, encode: cached) as the task "prepare data <corpus> <src>-<tgt>";
+    returns its checksums."""
+    checksums = run_pre_sweep_task(f"prepare data {data.corpus} {data.src_lang}-{data.tgt_lang}",
+                                   _prepare_data_checksums, data)
+    _DATA_CHECKSUMS[_data_key(data)] = checksums
+    return checksums
+
+
+def ensure_bert_task(cfg: ExperimentConfig, what: str) -> tuple[ExperimentConfig, BertFootprint]:
+    """:func:`nmtcore.bert.ensure_bert` as the task "prepare BERT <what>" (made here if nothing answers:
+    minutes, with its steps on the console), with its quality figure measured once (cached) so every trial
+    using it reports what its BERT knows. Returns the config and the BERT's footprint (weights and shape,
+    for the trials' memory estimates)."""
+    return run_pre_sweep_task(f"prepare BERT {what}", _ensure_bert_footprint, cfg, progress_kw="progress")
+
+
+def _ensure_bert_footprint(cfg: ExperimentConfig,
+                           progress: Callable[[str], None] | None = None) -> tuple[ExperimentConfig, BertFootprint]:
+    made, resolved = ensure_bert_resolved(cfg, progress=progress, quality=True)
+    assert resolved is not None  # distinct_berts hands over BERT-consuming configs only
+    return made, BertFootprint.of_directory(resolved.path)
+
+
+def bert_features_task(cfg: ExperimentConfig, what: str) -> bool:
+    """Build the frozen-feature cache of ``cfg``'s BERT as the task "prepare BERT features <what>" (minutes
+    for a wide BERT on the whole corpus, with a line per ~15 s of it), so that no trial spends its slot on it
+    silently; every trial then finds it. Returns whether the model reads cached features at all."""
+    return run_pre_sweep_task(f"prepare BERT features {what}", build_features, cfg)
+
+
+def build_features(cfg: ExperimentConfig) -> bool:
+    """The feature cache that a trial of ``cfg`` reads, built the way its trainer builds it (data prepared,
+    the registered model built, its BERT stream attached: the same cache keys). ``cfg``'s BERT must exist
+    already. Returns whether the model reads cached features (False: its BERT trains or runs every step)."""
+    setup_torch(cfg)
+    data = prepare_data(cfg.data)
+    cfg = prepare_model_resources(cfg, data)
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+    layer = prepare_bert_inputs(model, data)
+    return layer is not None and layer.cache_wanted
+
+
+def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:
+    """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
+    ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one."""
+    checksums = _DATA_CHECKSUMS.get(_data_key(cfg.data)) or prepare_data_task(cfg.data)
+    key = baseline_key(cfg, checksums)
+    found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
+    gpus = driver_node_gpus()
+    return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
+                              gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", **kwargs)
