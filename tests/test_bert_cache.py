@@ -266,6 +266,29 @@ def test_sweep_builds_the_trials_feature_cache_before_them(tmp_path: Path, caplo
     assert not (Path(tuned.data.cache_dir) / "bert_features").exists()
 
 
+def test_a_bert_the_first_phase_fine_tunes_gets_no_feature_cache(tmp_path: Path) -> None:
+    """BERT-JAM with its BERT trainable from the first update (a fine-tune-only schedule): neither the trainer
+    nor the pre-sweep task computes a frozen-feature cache that no batch could read; its default schedule
+    (phases 1-2 frozen) still gets one."""
+    from nmtcore.engine import build_trainer
+    from nmtcore.sweep.pre_sweep import build_features
+    from nmtcore.testing.zoo import TINY_BERT
+
+    jam = {"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"], "model.d_model": 32, "model.ffn_dim": 64}
+    tuned = tiny_experiment(tmp_path / "tuned", **jam, **{
+        "train.phases": [{"name": "finetune", "epochs": 0, "trainable": ["nmt", "glu", "bert"]}]})
+    assert build_features(tuned) is False
+    trainer = build_trainer(tuned)
+    assert all(split.bert is not None and split.bert.features is None for split in trainer.data.splits.values())
+    assert any(p.requires_grad for p in trainer.model.bert.parameters())
+    assert not (Path(tuned.data.cache_dir) / "bert_features").exists()
+
+    phased = tiny_experiment(tmp_path / "phased", **jam, **{"model.phase_epochs": [1, 1, 1], "train.max_epochs": 3})
+    trainer = build_trainer(phased)
+    assert all(split.bert.features is not None for split in trainer.data.splits.values())
+    assert (Path(phased.data.cache_dir) / "bert_features").is_dir()
+
+
 def test_feature_build_reports_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     """A long build says how far it is (the pre-sweep console turns the count into a bar)."""
     from nmtcore.bert import features as feats

@@ -108,8 +108,11 @@ class Trainer:
         self.model = model.to(self.device)
         # The phase schedule first: one that the budget cannot run is refused before any BERT work.
         self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
+        if self.phases:  # what trains from the first update, before the BERT hook decides on its feature cache
+            apply_phase(self.model, self.phases[0])
         # BERT hook (nmtcore.bert): a model owning a BertLayer gets its BERT stream (and, frozen, the cached
-        # features) on every split; KD without a teacher (or a teacher without KD) fails here.
+        # features) on every split; a BERT the first phase fine-tunes gets no cache (it would never be read).
+        # KD without a teacher (or a teacher without KD) fails here.
         prepare_bert_inputs(self.model, data)
         check_kd(cfg.train, self.model)
         self.callbacks = list(callbacks)
