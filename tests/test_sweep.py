@@ -253,6 +253,27 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     assert ray_backend.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
 
 
+def test_a_local_cluster_runs_trials_without_ray_trains_preemption_watcher(monkeypatch):
+    """A local cluster (one machine, no node drains) turns Ray Train's preemption watcher off for its processes;
+    a user's own setting wins, and a joined cluster keeps Ray's default."""
+    from types import SimpleNamespace
+
+    key = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    for k in [*ray_backend.RAY_ENV, key]:
+        monkeypatch.delenv(k, raising=False)  # init_ray sets defaults in os.environ; monkeypatch restores them
+    calls: list[dict] = []
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_backend.ray, "init", lambda **kw: calls.append(kw) or SimpleNamespace(dashboard_url=None))
+    ray_backend.init_ray(num_cpus=1)
+    assert calls[-1]["runtime_env"]["env_vars"][key] == "0"
+    monkeypatch.setenv(key, "1")
+    ray_backend.init_ray(num_cpus=1)
+    assert calls[-1]["runtime_env"]["env_vars"][key] == "1"
+    monkeypatch.delenv(key)
+    ray_backend.init_ray(address="ray://head:10001")
+    assert calls[-1]["address"] == "ray://head:10001" and key not in calls[-1]["runtime_env"]["env_vars"]
+
+
 def test_a_trial_trains_on_idle_cpus_of_its_node_and_gives_them_back(monkeypatch):
     """The last wave's trial takes the idle core (after two checks: between two trials a CPU is free for a
     moment only), shares idle CPUs evenly with the other running trials, and gives them back when Ray hands
