@@ -164,4 +164,5 @@ def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> N
     monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: [node])
     settings = tiny_settings(tmp_path, "frac", "sqlite:///x.db")
     assert ray_backend.trials_that_fit(replace(settings, cpus_per_trial=0.4)) == 5  # 2.0 // 0.4 == 4.0 in floats
-    assert ray_backend.trials_that_fit(replace(settings, cpus_per_trial=0.1, gpus_per_trial=0.1)) == 10  # 1.0 // 0.1 == 9.0
+    one_tenth = replace(settings, cpus_per_trial=0.1, gpus_per_trial=0.1)
+    assert ray_backend.trials_that_fit(one_tenth) == 10  # 1.0 // 0.1 == 9.0

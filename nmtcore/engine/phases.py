@@ -28,6 +28,16 @@ def schedule_of(cfg: ExperimentConfig, model: NMTModel) -> tuple[PhaseConfig, ..
     return cfg.train.schedule(phases, f"model {cfg.model.name}'s default schedule")
 
 
+
+def start_schedule(cfg: ExperimentConfig, model: NMTModel) -> tuple[PhaseConfig, ...]:
+    """:func:`schedule_of`, with its first phase's trainable set applied to ``model`` (no schedule: ``requires_grad``
+    stays as the model set it). What trains from the first update decides whether a BERT gets a frozen-feature
+    cache (:func:`nmtcore.bert.prepare_bert_inputs`): one fine-tuned from the start would never read it."""
+    phases = schedule_of(cfg, model)
+    if phases:
+        apply_phase(model, phases[0])
+    return phases
+
 def check_update_budget(phases: tuple[PhaseConfig, ...], max_updates: int, updates_per_epoch: int) -> None:
     """``train.max_updates`` must not cut a closed schedule either: one-line :class:`ConfigError` naming the
     updates the schedule needs (``updates_per_epoch`` × its epochs) and the budget."""

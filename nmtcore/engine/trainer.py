@@ -54,7 +54,7 @@ from nmtcore.engine.phases import (
     phase_index,
     phase_start,
     schedule_length,
-    schedule_of,
+    start_schedule,
 )
 from nmtcore.engine.summary import FitResult, RunSummary
 from nmtcore.models import NMTModel
@@ -107,9 +107,7 @@ class Trainer:
         self.device = device or default_device()
         self.model = model.to(self.device)
         # The phase schedule first: one that the budget cannot run is refused before any BERT work.
-        self.phases: tuple[PhaseConfig, ...] = schedule_of(cfg, self.model)
-        if self.phases:  # what trains from the first update, before the BERT hook decides on its feature cache
-            apply_phase(self.model, self.phases[0])
+        self.phases: tuple[PhaseConfig, ...] = start_schedule(cfg, self.model)  # phase 1's trainable set applied
         # BERT hook (nmtcore.bert): a model owning a BertLayer gets its BERT stream (and, frozen, the cached
         # features) on every split; a BERT the first phase fine-tunes gets no cache (it would never be read).
         # KD without a teacher (or a teacher without KD) fails here.

@@ -17,7 +17,7 @@ from nmtcore.bert.ensure import ensure_bert_resolved
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.engine import setup_torch
-from nmtcore.engine.phases import apply_phase, schedule_of
+from nmtcore.engine.phases import start_schedule
 from nmtcore.models import build_model, prepare_model_resources
 from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_baseline, find_baseline
 from nmtcore.sweep.memory import BertFootprint
@@ -75,9 +75,7 @@ def build_features(cfg: ExperimentConfig) -> bool:
     data = prepare_data(cfg.data)
     cfg = prepare_model_resources(cfg, data)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    phases = schedule_of(cfg, model)
-    if phases:  # as the trainer: a BERT its first phase fine-tunes gets no cache
-        apply_phase(model, phases[0])
+    start_schedule(cfg, model)  # as the trainer: a BERT its first phase fine-tunes gets no cache
     layer = prepare_bert_inputs(model, data)
     return layer is not None and layer.cache_wanted
 

@@ -30,8 +30,8 @@ more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, wi
 ``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
 
 Where things run: the cluster above (by default a local one of all cores, bound to 127.0.0.1), trials as
-many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU). The work the trials share runs before them as named Ray tasks
-(:mod:`nmtcore.sweep.pre_sweep`).
+many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU).
+The work the trials share runs before them as named Ray tasks (:mod:`nmtcore.sweep.pre_sweep`).
 
 Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
 whose loss becomes NaN/inf ends FAILED with the reason in MLflow, and Tune's retries of it end at once
