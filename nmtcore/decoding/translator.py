@@ -13,7 +13,7 @@ from nmtcore.checkpoint import CheckpointError, load_checkpoint, load_model_weig
 from nmtcore.config import ConfigError, DecodeConfig, ExperimentConfig
 from nmtcore.data import EncodedSplit, SubwordVocab, encode_split, inference_batches
 from nmtcore.decoding import beam_search
-from nmtcore.devices import default_device
+from nmtcore.devices import default_device, tune_allocator
 from nmtcore.models import NMTModel, build_model
 
 
@@ -31,6 +31,7 @@ class Translator:
 
     def __init__(self, model: NMTModel, vocab: SubwordVocab, cfg: ExperimentConfig,
                  device: torch.device | None = None) -> None:
+        tune_allocator()  # as setup_torch does for training: decoding frees and reallocates its logits every step
         self.device = device or default_device()
         self.model = model.to(self.device).eval()
         self.vocab, self.cfg = vocab, cfg
