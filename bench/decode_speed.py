@@ -37,7 +37,7 @@ from nmtcore.bert import ensure_bert
 from nmtcore.config import DecodeConfig, preset
 from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
-from nmtcore.devices import autocast_dtype
+from nmtcore.devices import autocast_dtype, tune_allocator
 from nmtcore.engine import build_trainer, setup_torch
 
 from finetune_memory import CASES  # bench/: the PLM-sponsored trial as the kd_alpha study trains it
@@ -108,6 +108,7 @@ def main() -> int:
         "data.data_dir": args.data_dir, "data.download": False, "train.num_threads": args.threads,
         "output_dir": "bench/out/decode_speed"})
     setup_torch(base)
+    tune_allocator()  # as a decoding process (`nmtcore translate`, the Translator) runs
     length = args.length
     if length <= 0:
         data = prepare_data(base.data)

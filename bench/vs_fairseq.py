@@ -31,7 +31,7 @@ from nmtcore import bleu
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
-from nmtcore.devices import autocast_dtype
+from nmtcore.devices import autocast_dtype, tune_allocator
 from nmtcore.engine import build_trainer
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -101,8 +101,8 @@ def decode_fresh(args, precision: str) -> dict[str, dict]:
     """Decode the quality run's checkpoint in a new process, as ``fairseq-generate`` decodes fairseq's right after
     its training. Measured on 2026-11-26 (same checkpoint, 2 threads): 122.6 sentences/s at beam 5 inside the
     training process of a full run, 120.8 in a fresh process right after a full run's training, 152-159 from
-    fresh processes on a machine that had not just trained for ten minutes: what slows the decode is the
-    machine's state after training, not the process, and the peer's decode meets the same state."""
+    fresh processes on a machine that had not just trained for ten minutes (all before the decoding process tuned
+    glibc's allocator; README, "The allocator"); the peer's decode meets the same machine."""
     cmd = [sys.executable, __file__, "--data-dir", args.data_dir, "--out", args.out, "--threads", str(args.threads),
            "--precisions", precision, "--skip-thr", "--reuse", "--decode-child", "--max-tokens", str(args.max_tokens)]
     if args.cache_dir:
@@ -155,7 +155,8 @@ def main() -> int:
             r["thr"], _ = train_run(args, "thr", 5e-4, 4000, args.thr_updates, precision, data)
         if not args.skip_qual:
             r["qual"], trainer = train_run(args, "qual", 1e-3, 400, 500, precision, data)
-            if args.decode_child:  # this process decodes and hands the figures back
+            if args.decode_child:  # this process decodes and hands the figures back, its allocator tuned as
+                tune_allocator()  # `nmtcore translate`'s (Translator) is
                 for key, beam in (("qual_beam5", 5), ("qual_greedy", 1)):
                     print("DECODE " + json.dumps({key: decode_run(args, trainer, "qual", beam, precision, data)}),
                           flush=True)

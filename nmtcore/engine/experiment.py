@@ -17,7 +17,6 @@ from nmtcore import bleu
 from nmtcore.bert import ensure_bert
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import PreparedData, prepare_data
-from nmtcore.devices import tune_allocator
 from nmtcore.engine.summary import RunSummary, TestScore, WarmStartSummary
 from nmtcore.engine.trainer import Callback, Trainer
 from nmtcore.engine.warm_start import warm_start
@@ -25,9 +24,7 @@ from nmtcore.models import build_model, prepare_model_resources
 
 
 def setup_torch(cfg: ExperimentConfig) -> None:
-    """Threads and the global seed (dropout, initialisation) as ``cfg.train`` says; glibc's allocator tuned for
-    tensors that are freed and reallocated every step (:func:`nmtcore.devices.tune_allocator`)."""
-    tune_allocator()
+    """Threads and the global seed (dropout, initialisation) as ``cfg.train`` says."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
