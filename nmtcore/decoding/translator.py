@@ -31,7 +31,7 @@ class Translator:
 
     def __init__(self, model: NMTModel, vocab: SubwordVocab, cfg: ExperimentConfig,
                  device: torch.device | None = None) -> None:
-        tune_allocator()  # as setup_torch does for training: decoding frees and reallocates its logits every step
+        tune_allocator()  # a decoding process: each beam step frees and reallocates its (rows × vocabulary) tensors
         self.device = device or default_device()
         self.model = model.to(self.device).eval()
         self.vocab, self.cfg = vocab, cfg
