@@ -61,6 +61,12 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mal
 
 
 @functools.lru_cache(maxsize=None)
+def on_glibc() -> bool:
+    """True on Linux with glibc, the only allocator :func:`tune_allocator` knows how to tune."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+@functools.lru_cache(maxsize=None)
 def tune_allocator() -> bool:
     """Stop glibc's malloc from handing every large tensor freshly mapped, zeroed pages; True if it was tuned.
 
@@ -78,7 +84,7 @@ def tune_allocator() -> bool:
     Applies once per process, on Linux with glibc only; not when the user set any of :data:`ALLOCATOR_ENV` or
     preloads another allocator (``LD_PRELOAD`` naming a ``*malloc*`` library: jemalloc, tcmalloc, mimalloc).
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return False
     if any(os.environ.get(name) for name in ALLOCATOR_ENV) or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False

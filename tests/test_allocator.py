@@ -6,14 +6,14 @@ Each case runs in a fresh interpreter: the tuning is process-wide and cannot be 
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="tune_allocator acts on glibc only")
+from nmtcore.devices import on_glibc
+
+pytestmark = pytest.mark.skipif(not on_glibc(), reason="tune_allocator acts on glibc only")
 
 # 20 times a 64 MiB tensor written and freed (above glibc's largest adaptive mmap threshold, 32 MiB: by default
 # each one is a fresh mapping), after 10 untimed ones (a tuned heap takes a few rounds to hold a free block that
