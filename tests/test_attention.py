@@ -56,3 +56,45 @@ def test_attention_dropout_zeroes_probabilities_and_keeps_the_expectation() -> N
     assert out.mean().item() == pytest.approx(1.0, abs=0.02)
     assert (out - 1.0).abs().max() > 0.1  # some probabilities were dropped, others scaled by 4/3
     torch.testing.assert_close(attend(q, k, v, None, False, 0.0)[..., 0], torch.ones_like(out))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("t_q,t_mem", [(1, 7), (6, 7), (6, 70)])  # a decoding step; training; fp32 → SDPA
+def test_attention_over_parts_equals_attention_over_their_concatenation(
+    dtype: torch.dtype, tol: float, t_q: int, t_mem: int
+) -> None:
+    """``attend_parts`` (BERT-JAM's joint attention, the coordinator's r_all) is ``attend`` over the concatenated
+    keys, values and masks, in value and gradient, with a padded memory, a causal part and an unmasked part."""
+    from nmtcore.nn.layers import attend_parts, causal_mask
+
+    g = torch.Generator().manual_seed(t_q * 1000 + t_mem)
+    b, h, dh = 3, 4, 16
+
+    def rand(t: int) -> torch.Tensor:
+        return torch.randn(b, h, t, dh, generator=g).to(dtype).requires_grad_()
+
+    q = rand(t_q)
+    k_m, v_m, k_c, v_c, k_f, v_f = rand(t_mem), rand(t_mem), rand(t_q), rand(t_q), rand(5), rand(5)
+    pad = torch.ones(b, 1, 1, t_mem, dtype=torch.bool)
+    pad[1, ..., t_mem - 2:] = False  # sentence 1: its last two memory positions are padding
+    causal = causal_mask(t_q, t_q, "cpu")  # (Tq, Tq)
+    got = attend_parts(q, [(k_m, v_m, pad), (k_c, v_c, causal), (k_f, v_f, None)], 0.0)
+    inputs = (q, k_m, v_m, k_c, v_c, k_f, v_f)
+    grads = torch.autograd.grad(got.float().square().sum(), inputs)
+
+    mask = torch.cat([pad.expand(b, 1, t_q, t_mem), causal.expand(b, 1, t_q, t_q),
+                      torch.ones(b, 1, t_q, 5, dtype=torch.bool)], dim=-1)
+    want = attend(q, torch.cat([k_m, k_c, k_f], dim=2), torch.cat([v_m, v_c, v_f], dim=2), mask, False, 0.0)
+    want_grads = torch.autograd.grad(want.float().square().sum(), inputs)
+    assert got.dtype == dtype and got.shape == (b, h, t_q, dh)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for gi, wi in zip(grads, want_grads):
+        torch.testing.assert_close(gi.float(), wi.float(), rtol=tol, atol=tol * max(1.0, wi.abs().max().item()))
+    # The padding is really masked: moving a padded key of sentence 1 changes nothing there, a real one does.
+    k_moved = k_m.detach().clone()
+    k_moved[1, :, t_mem - 1] += 5.0
+    moved = attend_parts(q, [(k_moved, v_m, pad), (k_c, v_c, causal), (k_f, v_f, None)], 0.0)
+    torch.testing.assert_close(moved, got)
+    k_moved[1, :, 0] += 5.0
+    assert not torch.allclose(attend_parts(q, [(k_moved, v_m, pad), (k_c, v_c, causal), (k_f, v_f, None)], 0.0), got)
+

@@ -48,7 +48,7 @@ from nmtcore.bert import BertLayer
 from nmtcore.config import BertJamConfig, PhaseConfig
 from nmtcore.models.transformer import Transformer
 from nmtcore.nn.checkpointing import checkpoint_layers
-from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend,
+from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend_parts,
                         causal_mask, combine, compute_dtype, merge_heads, split_heads)
 
 if TYPE_CHECKING:
@@ -88,17 +88,16 @@ class JointAttention(nn.Module):
         else:
             k_s, v_s = self.project_memory(memory)  # 2 × (B, H, M, Dh)
         t_q, t_r = q.size(2), k.size(2)
-        # Allowed positions of the primary part: causal (decoder) and/or not padding.
-        allowed_r = (causal_mask(t_q, t_r, x.device) if causal
-                     else torch.ones(t_q, t_r, dtype=torch.bool, device=x.device))  # (T, t)
+        # Allowed positions of the primary part: causal (decoder; a single new position sees the whole
+        # prefix) and/or not padding; None = all.
+        allowed_r = causal_mask(t_q, t_r, x.device) if causal and t_q > 1 else None  # (T, t)
         if x_mask is not None:
-            allowed_r = allowed_r & ~x_mask[:, None, None, :]  # (B, 1, T, t)
+            pad_r = ~x_mask[:, None, None, :]  # (B, 1, 1, t)
+            allowed_r = pad_r if allowed_r is None else allowed_r & pad_r  # (B, 1, T, t)
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
-        b = memory_mask.size(0)
-        mask = torch.cat([allowed_r.expand(b, 1, t_q, t_r), allowed_s.expand(b, 1, t_q, -1)], dim=-1)
-        keys = torch.cat([k, k_s], dim=2)  # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m)  (B, H, t+M, Dh)
-        values = torch.cat([v, v_s], dim=2)
-        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)  # Eq. 6-7
+        # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), one softmax over both (Eq. 6-7); never concatenated.
+        y = attend_parts(q, [(k, v, allowed_r), (k_s, v_s, allowed_s)],
+                         self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:

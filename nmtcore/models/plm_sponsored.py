@@ -107,7 +107,7 @@ from nmtcore.config import ConfigError, ExperimentConfig, PlmSponsoredConfig
 from nmtcore.models.base import ModelOutput, NMTModel
 from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
-                        SinusoidalPositions, attend, causal_mask, dropout, merge_heads, split_heads)
+                        SinusoidalPositions, attend_parts, causal_mask, dropout, merge_heads, split_heads)
 from nmtcore.nn.checkpointing import checkpoint_layers
 from nmtcore.nn.cross_entropy import mean_nll
 
@@ -312,16 +312,14 @@ class CoordinatorAttention(nn.Module):
             k_s, v_s = self.project(r_src)  # (B, H, S, Dh)
         k_t, v_t = self.grow(c_t, *self.project(r_tgt))  # (B, H, t, Dh)
         k_h, v_h = self.grow(c_h, *self.project(x))
-        b, t_q, t_k = x.size(0), q.size(2), k_t.size(2)
+        t_q, t_k = q.size(2), k_t.size(2)
         # Eq. 3: M = [M_S | M_T | M_h]; M_S lets every (non-pad) source position through, M_T and M_h hide
-        # the future (strictly upper triangular: position t sees targets ≤ t).
-        allowed_s = (~src_mask)[:, None, None, :].expand(b, 1, t_q, -1)  # (B, 1, T, S)
-        causal = causal_mask(t_q, t_k, x.device)  # (T, t)
-        causal = causal[None, None].expand(b, 1, t_q, t_k)
-        mask = torch.cat([allowed_s, causal, causal], dim=-1)  # (B, 1, T, S + 2t)
-        keys = torch.cat([k_s, k_t, k_h], dim=2)  # r_all
-        values = torch.cat([v_s, v_t, v_h], dim=2)
-        y = attend(q, keys, values, mask, False, self.attention_dropout if self.training else 0.0)
+        # the future (strictly upper triangular: position t sees targets ≤ t). A single new position (a
+        # decoding step) sees every target so far: no mask.
+        allowed_s = (~src_mask)[:, None, None, :]  # (B, 1, 1, S)
+        causal = causal_mask(t_q, t_k, x.device) if t_q > 1 else None  # (T, t)
+        parts = [(k_s, v_s, allowed_s), (k_t, v_t, causal), (k_h, v_h, causal)]  # r_all, never concatenated
+        y = attend_parts(q, parts, self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)
 
 

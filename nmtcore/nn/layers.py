@@ -95,6 +95,37 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
 
+def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], dropout_p: float) -> Tensor:
+    """Attention of ``q`` (B, H, Tq, Dh) over the concatenation of several key/value sequences, each given as
+    ``(k, v, mask)`` with k, v (B, H, Tk_i, Dh) and ``mask`` broadcastable to (B, 1, Tq, Tk_i) (True = may
+    attend; None = every key): one softmax over all of them, as :func:`attend` over the concatenated keys,
+    values and masks (BERT-JAM's joint attention, the PLM-sponsored coordinator's r_all).
+
+    Where :func:`attend` takes its explicit CPU path, the parts are never concatenated: each is scored
+    against the queries, only the scores (B, H, Tq, ΣTk) are joined for the softmax, and the output is the
+    sum of each part's probabilities times its values. A decoding step (Tq = 1) then copies no cached keys
+    or values at all, where concatenating them copied every part's whole cache at every step and layer.
+    Elsewhere (CUDA, long fp32 sequences) the parts are concatenated for SDPA's fused kernels."""
+    t_q, t_k = q.size(2), sum(k.size(2) for k, _, _ in parts)
+    if not (q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)):
+        b = q.size(0)
+        masks = [torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m for _, _, m in parts]
+        mask = torch.cat([m.expand(b, 1, t_q, k.size(2)) for m, (k, _, _) in zip(masks, parts)], dim=-1)
+        keys, values = torch.cat([k for k, _, _ in parts], dim=2), torch.cat([v for _, v, _ in parts], dim=2)
+        return attend(q, keys, values, mask, False, dropout_p)
+    scale = q.size(-1) ** -0.5
+    scores = []
+    for k, _, mask in parts:
+        s = (q @ k.transpose(-1, -2)).float() * scale  # (B, H, Tq, Tk_i)
+        scores.append(s if mask is None else s.masked_fill(~mask, float("-inf")))
+    probs = dropout(torch.softmax(torch.cat(scores, dim=-1), dim=-1), dropout_p, True)  # (B, H, Tq, ΣTk)
+    out, start = None, 0
+    for k, v, _ in parts:
+        y = probs[..., start : start + k.size(2)].to(v.dtype) @ v  # (B, H, Tq, Dh)
+        out, start = (y if out is None else out + y), start + k.size(2)
+    return out
+
+
 def split_heads(x: Tensor, heads: int) -> Tensor:
     """(B, T, C) → (B, H, T, C/H)."""
     b, t, c = x.shape
