@@ -97,4 +97,3 @@ def test_attention_over_parts_equals_attention_over_their_concatenation(
     torch.testing.assert_close(moved, got)
     k_moved[1, :, 0] += 5.0
     assert not torch.allclose(attend_parts(q, [(k_moved, v_m, pad), (k_c, v_c, causal), (k_f, v_f, None)], 0.0), got)
-

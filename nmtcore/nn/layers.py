@@ -70,6 +70,11 @@ class SinusoidalPositions(nn.Module):
         return self.table[offset : offset + length]  # (T, C)
 
 
+def _explicit_path(q: Tensor, t_k: int) -> bool:
+    """Whether attention of ``q`` (B, H, Tq, Dh) over ``t_k`` keys takes the explicit CPU path (see :func:`attend`)."""
+    return q.device.type == "cpu" and (q.size(2) == 1 or q.dtype != torch.float32 or t_k <= 64)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout_p: float) -> Tensor:
     """Multi-head attention (B, H, Tq, Dh) × (B, H, Tk, Dh) → (B, H, Tq, Dh); ``mask`` True = may attend,
     ``causal`` aligns the last query with the last key (an incremental step's queries see the prefix).
@@ -82,7 +87,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     decoding steps 2-4x. CUDA always takes SDPA (flash / memory-efficient kernels).
     """
     t_q, t_k = q.size(2), k.size(2)
-    explicit = q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)
+    explicit = _explicit_path(q, t_k)
     if causal and (explicit or mask is not None or t_q != t_k):  # SDPA's is_causal: no mask, top-left aligned
         allowed = causal_mask(t_q, t_k, q.device)  # (Tq, Tk)
         mask, causal = (allowed if mask is None else mask & allowed), False
@@ -107,7 +112,7 @@ def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], d
     or values at all, where concatenating them copied every part's whole cache at every step and layer.
     Elsewhere (CUDA, long fp32 sequences) the parts are concatenated for SDPA's fused kernels."""
     t_q, t_k = q.size(2), sum(k.size(2) for k, _, _ in parts)
-    if not (q.device.type == "cpu" and (t_q == 1 or q.dtype != torch.float32 or t_k <= 64)):
+    if not _explicit_path(q, t_k):
         b = q.size(0)
         masks = [torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m for _, _, m in parts]
         mask = torch.cat([m.expand(b, 1, t_q, k.size(2)) for m, (k, _, _) in zip(masks, parts)], dim=-1)
