@@ -16,7 +16,8 @@ Three overheads are reported:
 Runs are ordered direct, sweep, sweep, direct (``--repeat 2``) so a drift in machine load hits both
 sides alike; the load average is recorded. Both ways must give the same test BLEU (same trial).
 
-Bar: per-trial overhead <= 10% of the trial's wall time for a trial of >= 2 minutes.
+Bar (issue 17): per-trial overhead <= 5% of the trial's wall time at 2 threads per trial, for a trial of
+>= 2 minutes.
 
 Threads: ``--threads`` (default 1, a sweep's per-trial layout on 2 cores) leaves room for Ray's control
 plane (GCS, raylet, dashboard, the Tune driver, the Train controller and its helper actors: about 0.16 of
@@ -120,9 +121,10 @@ def main() -> int:
         # MLflow re-attach, final report). Checkpoint uploads and MLflow logging happen inside.
         "trial_time_outside_trainer_s": round(t - inside, 1),
         "trial_time_outside_trainer_frac": round((t - inside) / inside, 3),
-        "bar": "per-trial overhead <= 10% of a >= 2-minute trial",
+        "bar": "per-trial overhead <= 5% of a >= 2-minute trial at 2 threads",
     }
-    out["bar_met"] = d >= 120 and max(out["overhead_per_trial_frac"], out["trial_time_outside_trainer_frac"]) <= 0.10
+    worst = max(out["overhead_per_trial_frac"], out["trial_time_outside_trainer_frac"])
+    out["bar_met"] = args.threads >= 2 and d >= 120 and worst <= 0.05
     print(json.dumps(out, indent=2))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sweep_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
