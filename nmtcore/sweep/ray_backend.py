@@ -14,13 +14,13 @@ seen that every node reaches the storage, the data and MLflow.
 (:mod:`nmtcore.sweep.pre_sweep`) once, as a named Ray task on the driver's node, and streams its progress.
 
 **The search.** A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore
-trainer inside a Ray Train ``TorchTrainer``::
+trainer inside a Ray Train ``TorchTrainer`` (:class:`TrialTrainer`: without the helper actors it does not use)::
 
     driver (nmtcore.sweep.driver)     Tune trial actor (_trial_main)      Train workers (_train_loop)
     ─────────────────────────────     ──────────────────────────────      ───────────────────────────
     run_tune(...)                      find / create the MLflow child      run_experiment(cfg, callbacks)
       Tuner(search alg, ASHA).fit()      (by trial key: re-attach)           _RayReport: metrics +
-      _SweepCallback: end child runs   TorchTrainer(name = trial key)          checkpoint every epoch
+      _SweepCallback: end child runs   TrialTrainer(name = trial key)          checkpoint every epoch
         of stopped/failed trials,        .fit()                              _TrialTracking (rank 0):
         remove leaked worker PGs                                               config, epochs, test,
                                                                                costs → the child run
@@ -572,8 +572,49 @@ def num_samples(space: SearchSpace, settings: SweepSettings, cells: bool | None 
     return (settings.num_samples or space.num_samples) * settings.seeds
 
 
+# How often a Tune trial asks its result queue actor whether the Train run reported, in seconds. Ray's default
+# is 0.2 s: five remote calls a second for the trial's whole life. A call returns as soon as a result is there,
+# so a longer wait delays no report (the end of a trial is noticed up to this much later).
+RESULT_POLL_S = 1.0
+
+
+def _poll_less() -> None:
+    """Make this process's Tune result wait :data:`RESULT_POLL_S` (best effort: a private setting of this Ray
+    version, checked by ``tests/test_sweep_polling.py``)."""
+    try:
+        from ray.train._internal import session as train_session
+    except ImportError:  # pragma: no cover - another Ray version
+        return
+    if isinstance(getattr(train_session, "_RESULT_FETCH_TIMEOUT", None), (int, float)):
+        train_session._RESULT_FETCH_TIMEOUT = RESULT_POLL_S  # noqa: SLF001
+
+
+class TrialTrainer(TorchTrainer):
+    """Ray Train's ``TorchTrainer`` without two helper actors a sweep trial pays for and does not use.
+
+    Each is one more Ray process per trial, and on this project's 2-core machines starting one costs ~7-10 CPU
+    seconds (it imports Ray Train) taken from the trial's own threads (``bench/sweep_overhead.py``):
+
+    * the dataset manager (``DatasetsCallback``): created for every run even with no Ray dataset; trials read
+      their data themselves, so a trainer given ``datasets`` keeps it;
+    * the placement-group cleaner (``PlacementGroupCleanerCallback``): a detached actor asking the GCS every
+      second whether the controller lives, to free its worker reservation if it died. The sweep already does
+      that for every trial, from the driver: ``remove_leaked_placement_groups`` before each trial starts,
+      after each ends and every ``pg_check_s`` (:class:`_SweepCallback`).
+    """
+
+    def _create_default_callbacks(self) -> list[Any]:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+        unused = (PlacementGroupCleanerCallback,) if self.datasets else (PlacementGroupCleanerCallback,
+                                                                          DatasetsCallback)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+
+
 def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     """One Tune trial: open (or re-attach) its MLflow child run, then train in a TorchTrainer."""
+    _poll_less()
     overrides = trial_overrides(ctx.space, config, ctx.base_seed)
     key = trial_key(overrides)
     existing = find_child_run(ctx.parent_run_id, key, ctx.tracking_uri)
@@ -603,7 +644,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     resources = {"CPU": ctx.cpus_per_worker, "memory": memory.total}
     if ctx.gpus_per_worker:
         resources["GPU"] = ctx.gpus_per_worker
-    trainer = TorchTrainer(
+    trainer = TrialTrainer(
         _train_loop,
         train_loop_config={"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri,
                            "trial_key": key, "trial_id": trial_id, "test_split": ctx.test_split,
