@@ -592,8 +592,9 @@ def _poll_less() -> None:
 class TrialTrainer(TorchTrainer):
     """Ray Train's ``TorchTrainer`` without two helper actors a sweep trial pays for and does not use.
 
-    Each is one more Ray process per trial, and on this project's 2-core machines starting one costs ~7-10 CPU
-    seconds (it imports Ray Train) taken from the trial's own threads (``bench/sweep_overhead.py``):
+    Each is one more Ray process per trial, and on this project's 2-core machines one cost 7.7-10.6 CPU seconds over
+    one 2-thread trial, taken from the trial's own threads (per-process CPU, README "What a sweep
+    costs a trial"):
 
     * the dataset manager (``DatasetsCallback``): created for every run even with no Ray dataset; trials read
       their data themselves, so a trainer given ``datasets`` keeps it;
