@@ -1,4 +1,5 @@
-"""``nmtcore.nn.layers.attend``: the explicit CPU path (two matmuls, fp32 softmax) computes what SDPA computes."""
+"""``nmtcore.nn.layers.attend``: the explicit CPU path (two matmuls, fp32 softmax) computes what SDPA computes; CUDA
+attention leaves cuDNN out."""
 
 from __future__ import annotations
 
@@ -97,3 +98,23 @@ def test_attention_over_parts_equals_attention_over_their_concatenation(
     torch.testing.assert_close(moved, got)
     k_moved[1, :, 0] += 5.0
     assert not torch.allclose(attend_parts(q, [(k_moved, v_m, pad), (k_c, v_c, causal), (k_f, v_f, None)], 0.0), got)
+
+
+@pytest.mark.parametrize("env, kept", [("", False), ("1", True)])
+def test_cuda_attention_leaves_out_cudnn_unless_asked(monkeypatch, env, kept):
+    """cuDNN's SDPA builds a plan per new shape (every batch and beam step here): taken out once per process,
+    unless NMTCORE_CUDNN_SDPA=1."""
+    from nmtcore.nn import layers
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setenv("NMTCORE_CUDNN_SDPA", env)
+    monkeypatch.setattr(layers, "_CUDNN_SDPA_CHECKED", False)
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        layers.shape_free_cuda_attention()
+        assert torch.backends.cuda.cudnn_sdp_enabled() is kept
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        layers.shape_free_cuda_attention()  # once per process: a second call changes nothing
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -28,6 +28,7 @@ from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_
 from nmtcore.config import BertConfig
 from nmtcore.data import BertInputs, EncodedSplit, PreparedData
 from nmtcore.nn.checkpointing import checkpoint_layers
+from nmtcore.nn.layers import shape_free_cuda_attention
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -238,6 +239,8 @@ class BertLayer(nn.Module):
     def run(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None) -> tuple[Tensor, ...]:
         """Run BERT: ids/mask/segments (B, Tb), mask True = padding → the requested states, each (B, Tb, H)."""
         types = {"token_type_ids": segments} if self.segments else {}
+        if ids.is_cuda:
+            shape_free_cuda_attention()
         out = self.bert(input_ids=ids, attention_mask=(~mask).long(), output_hidden_states=True, return_dict=True,
                         **types)
         return tuple(out.hidden_states[i] for i in self.layers)
