@@ -1,0 +1,375 @@
+"""What the platform does on one CUDA GPU, measured in one run: the model zoo's contract on the GPU, training
+throughput (fp32 / bf16, eager / compiled, the trainer's batches and 4x larger ones) against a bare
+``torch.nn.Transformer`` of the same size, several trials sharing the GPU, beam-search decoding speed, and the
+BERT arms' step time and peak GPU memory against the baseline's.
+
+Every figure is printed as a ``RESULT {json}`` line (and appended to ``--out``), ratios against the baseline or
+the bare model measured in the same run. The models are the studies' (``multi30k_small`` preset: 3+3 layers,
+d 256, Multi30k En->De, 4,096-token batches); BERT arms read ``minilm`` as their studies do.
+
+  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile] [--out F]
+  python bench/gpu.py --device cpu --smoke-test     # every section on the CPU with a few steps (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import MODELS as DECODE_MODELS  # noqa: E402  (bench/: the decode models as studies build them)
+from finetune_memory import CASES as FINETUNE_CASES  # noqa: E402
+from train_throughput import BareTransformer  # noqa: E402
+
+from nmtcore.bert import ensure_bert  # noqa: E402
+from nmtcore.config import DecodeConfig, preset  # noqa: E402
+from nmtcore.data import prepare_data  # noqa: E402
+from nmtcore.decoding import translate_split  # noqa: E402
+from nmtcore.devices import autocast, autocast_dtype  # noqa: E402
+from nmtcore.engine import build_trainer  # noqa: E402
+
+ARGS = argparse.Namespace()
+
+
+def result(section: str, **fields) -> None:
+    line = json.dumps({"section": section, **fields})
+    print("RESULT " + line, flush=True)
+    if ARGS.out:
+        with open(ARGS.out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def low(precision: str) -> str:
+    """``precision``, except bf16 on a CPU without bf16 matmuls (--device cpu checks): fp32 there."""
+    return "fp32" if precision == "bf16" and autocast_dtype("auto", ARGS.device) is None else precision
+
+
+def sync() -> None:
+    if ARGS.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if ARGS.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if ARGS.device.type == "cuda" else float("nan")
+
+
+def base_cfg(**over):
+    return preset("multi30k_small").with_overrides({
+        "data.data_dir": ARGS.data_dir, "data.download": False, "output_dir": "bench/out/gpu", **over})
+
+
+def take(trainer, n: int) -> list:
+    """The first ``n`` training batches, over as many epochs as that needs (each epoch shuffled anew)."""
+    out, epoch = [], 1
+    while len(out) < n:
+        out.extend(b for _, b in zip(range(n - len(out)), trainer.train_batches(epoch=epoch)))
+        epoch += 1
+    return out
+
+
+def timed(step, batches: list, warmup: int) -> tuple[float, int]:
+    for b in batches[:warmup]:
+        step(b)
+    sync()
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in batches[warmup:]:
+        step(b)
+        tokens += b.n_tgt_tokens
+    sync()
+    return time.perf_counter() - t0, tokens
+
+
+def sec_env() -> None:
+    info = {"torch": torch.__version__, "device": str(ARGS.device), "cpus": os.cpu_count()}
+    if ARGS.device.type == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        info.update(name=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    bf16=torch.cuda.is_bf16_supported())
+    n = 8192 if ARGS.device.type == "cuda" else 1024
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(n, n, device=ARGS.device, dtype=dtype) for _ in range(2))
+        a @ b
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        sync()
+        info[f"matmul_{str(dtype)[6:]}_tflops"] = round(2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12, 1)
+    result("env", **info)
+
+
+def sec_contract() -> None:
+    """The contract suite's core checks for every registered model, on the device (tests/test_model_contract.py
+    runs them on the CPU): forward shapes, cached decoding = teacher forcing, a bf16 training step, beam search."""
+    from nmtcore.decoding.beam_search import beam_search
+    from nmtcore.engine.losses import label_smoothed_nll
+    from nmtcore.testing.zoo import CASES, PAD, VOCAB, make_batch, tiny_model, with_inputs
+
+    src = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15, 16]]
+    tgt = [[17, 18, 19], [20, 21, 22, 23, 24], [25]]
+    failed = []
+    for case in sorted(CASES):
+        try:
+            model = tiny_model(case).to(ARGS.device)
+            batch = with_inputs(model, make_batch(src, tgt)).to(ARGS.device)
+            model.eval()
+            with torch.no_grad():
+                full = model(batch).logits
+                assert full.shape == (*batch.tgt_in.shape, VOCAB) and torch.isfinite(full).all(), "forward"
+                enc = model.encode(batch)
+                state = model.init_state(enc)
+                steps = [model.decode_step(batch.tgt_in[:, t: t + 1], enc, state) for t in range(batch.tgt_in.size(1))]
+                err = (torch.stack(steps, 1) - full).abs().max().item()
+                assert err < 1e-3, f"cached decoding differs from teacher forcing by {err:.2e}"
+                hyps = beam_search(model, batch, DecodeConfig(beam=3, max_len_b=6, precision="bf16"))
+                assert len(hyps) == 3 and all(h for h in hyps), "beam search"
+            model.train()
+            opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+            with autocast(torch.bfloat16, ARGS.device):
+                logits = model(batch).logits
+            loss = label_smoothed_nll(logits.float(), batch.tgt_out, 0.1, PAD).loss
+            loss.backward()
+            opt.step()
+            assert torch.isfinite(loss), "bf16 training step"
+        except Exception as e:  # noqa: BLE001 (report every case, then fail the section)
+            failed.append(f"{case}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    result("contract", cases=len(CASES), failed=failed)
+
+
+def sec_sdpa() -> None:
+    """bf16 training steps with cuDNN in SDPA's backend choice (torch's default) and without (the platform's,
+    :func:`nmtcore.nn.layers.shape_free_cuda_attention`), each on batches whose shapes the process has not seen."""
+    if ARGS.device.type != "cuda":
+        result("sdpa", skipped="CUDA only")
+        return
+    from nmtcore.nn import layers
+
+    cfg = base_cfg(**{"train.precision": "bf16"})
+    trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+    batches = take(trainer, 4 * ARGS.steps)
+    layers._CUDNN_SDPA_CHECKED = True
+    for cudnn, part in ((True, batches[: ARGS.steps]), (False, batches[2 * ARGS.steps: 3 * ARGS.steps])):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        s, tokens = timed(lambda b: trainer.train_step([b]), part, 0)
+        result("sdpa", cudnn_sdpa=cudnn, steps=len(part), tok_s=round(tokens / s), step_ms=round(1e3 * s / len(part), 1))
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("bf16", False, 4))) -> None:
+    data = prepare_data(base_cfg().data)
+    vocab = len(data.vocab)
+    for precision, compiled, scale in runs:
+        precision = low(precision)
+        cfg = base_cfg(**{"train.precision": precision, "train.compile": compiled,
+                          "data.max_tokens": 4096 * scale})
+        reset_peak()
+        trainer = build_trainer(cfg, data, device=ARGS.device)
+        warmup = ARGS.warmup + (10 if compiled else 0)  # compiled: dynamic shapes settle over the first lengths
+        batches = take(trainer, warmup + ARGS.steps)
+        t_compile = time.perf_counter()
+        ours_s, tokens = timed(lambda b: trainer.train_step([b]), batches, warmup)
+        ours_peak = peak_gib()
+        row = {"precision": precision, "compiled": compiled, "max_tokens": cfg.data.max_tokens,
+               "steps": ARGS.steps, "nmtcore_tok_s": round(tokens / ours_s), "nmtcore_step_ms": 1e3 * ours_s / ARGS.steps,
+               "nmtcore_peak_gib": round(ours_peak, 2),
+               "wall_with_warmup_s": round(time.perf_counter() - t_compile, 1)}
+        trainer = None
+        if not compiled:
+            m = cfg.model
+            torch.manual_seed(1)
+            bare = BareTransformer(vocab, m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout)
+            bare = bare.to(ARGS.device).train()
+            opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=ARGS.device.type == "cuda")
+            dtype = autocast_dtype(precision, ARGS.device)
+
+            def bare_step(b):
+                opt.zero_grad(set_to_none=True)
+                with autocast(dtype, ARGS.device):
+                    logits = bare(b.src, b.tgt_in, b.src_mask)
+                F.cross_entropy(logits.float().view(-1, vocab), b.tgt_out.view(-1), ignore_index=data.vocab.pad_id,
+                                label_smoothing=0.1, reduction="sum").backward()
+                opt.step()
+
+            reset_peak()
+            bare_s, _ = timed(bare_step, batches, ARGS.warmup)
+            row.update(bare_tok_s=round(tokens / bare_s), nmtcore_over_bare=round(bare_s / ours_s, 3),
+                       bare_peak_gib=round(peak_gib(), 2))
+            bare = opt = None
+        result("compile" if compiled else "train", **row)
+
+
+def sec_compile() -> None:
+    """``train.compile`` (inductor) at the trainer's batches and 4x larger ones."""
+    sec_train((("bf16", True, 1), ("bf16", True, 4)))
+
+
+def trial_worker() -> int:
+    """One 'trial': train the baseline until told to go, then for ``--seconds``; report target tokens."""
+    cfg = base_cfg(**{"train.precision": low("bf16")})
+    trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+    it = trainer.train_batches(epoch=1)
+    for _ in range(ARGS.warmup):
+        trainer.train_step([next(it)])
+    sync()
+    Path(ARGS.go + f".ready{os.getpid()}").touch()
+    while not Path(ARGS.go).exists():
+        time.sleep(0.05)
+    tokens = steps = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < ARGS.seconds:
+        try:
+            b = next(it)
+        except StopIteration:
+            it = trainer.train_batches(epoch=2)
+            b = next(it)
+        trainer.train_step([b])
+        tokens += b.n_tgt_tokens
+        steps += 1
+    sync()
+    wall = time.perf_counter() - t0
+    print("WORKER " + json.dumps({"tokens": tokens, "steps": steps, "wall_s": wall, "peak_gib": peak_gib()}), flush=True)
+    return 0
+
+
+def sec_trials() -> None:
+    """K trials (processes) training the baseline at once on the device, as a sweep with
+    ``--gpus-per-trial 1/K`` runs them: the sum of their tokens/s against one alone."""
+    alone = None
+    for k in ARGS.trials:
+        go = Path(ARGS.scratch) / f"go{k}"
+        go.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--worker", "--device", str(ARGS.device), "--data-dir", ARGS.data_dir,
+               "--seconds", str(ARGS.seconds), "--go", str(go), "--warmup", str(ARGS.warmup)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // k))}
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(k)]
+        t0 = time.perf_counter()
+        while len(list(go.parent.glob(go.name + ".ready*"))) < k:
+            if any(p.poll() is not None for p in procs) or time.perf_counter() - t0 > 300:
+                break
+            time.sleep(0.1)
+        go.touch()
+        outs = [p.communicate()[0] for p in procs]
+        rows = [json.loads(line[7:]) for out in outs for line in out.splitlines() if line.startswith("WORKER ")]
+        if len(rows) != k:
+            result("trials", k=k, error=f"{len(rows)} of {k} workers reported", rcs=[p.returncode for p in procs])
+            continue
+        total = sum(r["tokens"] / r["wall_s"] for r in rows)
+        alone = alone or total
+        result("trials", k=k, total_tok_s=round(total), per_trial_tok_s=round(total / k),
+               total_over_one=round(total / alone, 2), peak_gib_per_trial=round(max(r["peak_gib"] for r in rows), 2))
+
+
+def sec_decode() -> None:
+    data = prepare_data(base_cfg().data)
+    split = data.splits["test_2016_flickr"]
+    n = min(ARGS.sentences, len(split.src))
+    length = int(round(float(np.mean([len(t) for t in split.tgt[:n]])))) + 1
+    speeds = {}
+    for name in ("baseline", "bert_fused", "plm_sponsored"):
+        cfg = ensure_bert(base_cfg(**DECODE_MODELS[name], **(PLM_TGT if name == "plm_sponsored" else {})))
+        trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+        sp = trainer.data.splits["test_2016_flickr"].select(range(n))
+        for beam, max_sentences in ((5, 128), (5, 1000), (1, 1000)):
+            dcfg = DecodeConfig(beam=beam, max_len_a=0.0, max_len_b=length, min_len=length,
+                                max_sentences=max_sentences)
+            translate_split(trainer.model, sp.select(range(64)), trainer.data.vocab, dcfg, ARGS.device)
+            sync()
+            t0 = time.perf_counter()
+            hyps = translate_split(trainer.model, sp, trainer.data.vocab, dcfg, ARGS.device)
+            sync()
+            sps = len(hyps) / (time.perf_counter() - t0)
+            speeds[name, beam, max_sentences] = sps
+            base = speeds.get(("baseline", beam, max_sentences), sps)
+            result("decode", model=name, beam=beam, max_sentences=max_sentences, length=length, sentences=len(hyps),
+                   sent_per_s=round(sps, 1), vs_baseline=round(sps / base, 2))
+        trainer = None
+
+
+# PLM-sponsored as the kd_alpha study trains it, except for its target BERT: minilm (L6/H384, 30k WordPieces)
+# in place of the study's e5:L6 (L6/H384, 250k), whose package is too large to carry to a lent GPU machine.
+PLM_TGT = {"model.tgt_bert.name": "minilm"} if os.environ.get("NMTCORE_GPU_PLM_TGT") == "minilm" else {}
+
+
+def sec_bert() -> None:
+    """Training step time and peak GPU memory of the BERT arms (as their studies train them) against the baseline."""
+    arms = {"baseline": {}, "bert_fused": DECODE_MODELS["bert_fused"], "bert_jam": DECODE_MODELS["bert_jam"],
+            "bert_jam_finetune": FINETUNE_CASES["bert_jam_ft"], "plm_sponsored": {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT},
+            "plm_sponsored_ckpt": {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT, "model.bert.activation_checkpointing": True,
+                                   "model.tgt_bert.activation_checkpointing": True}}
+    base = None
+    for name, over in arms.items():
+        cfg = ensure_bert(base_cfg(**{"train.precision": low("bf16"), **over}))
+        reset_peak()
+        trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+        batches = take(trainer, ARGS.warmup + ARGS.steps)
+        s, tokens = timed(lambda b: trainer.train_step([b]), batches, ARGS.warmup)
+        row = {"tok_s": round(tokens / s), "step_ms": round(1e3 * s / ARGS.steps, 2), "peak_gib": round(peak_gib(), 3)}
+        base = base or row
+        result("bert", arm=name, **({"tgt_bert": "minilm"} if PLM_TGT and name.startswith("plm") else {}), **row, time_vs_baseline=round(base["tok_s"] / row["tok_s"], 2),
+               memory_vs_baseline=round(row["peak_gib"] / base["peak_gib"], 2) if base["peak_gib"] else None)
+        trainer = None
+
+
+SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert, "decode": sec_decode,
+            "trials": sec_trials, "compile": sec_compile}
+
+
+def main() -> int:
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--trials", default="1,2,4,8", help="trial counts sharing the device")
+    p.add_argument("--seconds", type=float, default=15.0, help="each trial's timed training (trials section)")
+    p.add_argument("--sentences", type=int, default=1000)
+    p.add_argument("--out", default="")
+    p.add_argument("--scratch", default="bench/out/gpu")
+    p.add_argument("--smoke-test", action="store_true", help="a few steps of every section")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--go", help=argparse.SUPPRESS)
+    ARGS = p.parse_args()
+    ARGS.device = torch.device(ARGS.device)
+    ARGS.trials = [int(k) for k in str(ARGS.trials).split(",")]
+    if ARGS.smoke_test:
+        ARGS.steps, ARGS.warmup, ARGS.seconds, ARGS.sentences, ARGS.trials = 2, 1, 1.0, 70, [1, 2]
+    if ARGS.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu --smoke-test to check the script)")
+    if ARGS.worker:
+        return trial_worker()
+    Path(ARGS.scratch).mkdir(parents=True, exist_ok=True)
+    bad = 0
+    for name in ARGS.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name]()
+        except Exception as e:  # noqa: BLE001 (one broken section must not cost the others' figures)
+            traceback.print_exc()
+            result(name, error=f"{type(e).__name__}: {e}")
+            bad += 1
+        print(f"section {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
