@@ -177,8 +177,15 @@ def test_fused_smoothed_loss_takes_bf16_logits_and_returns_a_bf16_gradient() -> 
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
-def test_bf16_loss_in_blocks_of_rows_equals_the_formula_across_block_boundaries() -> None:
-    # 150 rows of an 8192 vocabulary: three blocks of 64 rows (the last one partial), padding in each.
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bf16_loss_in_blocks_of_rows_equals_the_formula_across_block_boundaries(device, monkeypatch) -> None:
+    # 150 rows of an 8192 vocabulary: on the CPU three blocks of 64 rows (the last one partial), padding in each;
+    # with a GPU's block size (computed here on the CPU) the whole batch is one block.
+    from nmtcore.nn import cross_entropy
+
+    rows = cross_entropy._block_rows(8192, torch.device(device))
+    assert rows == (64 if device == "cpu" else 8192)
+    monkeypatch.setattr(cross_entropy, "_block_rows", lambda vocab, _device: rows)
     torch.manual_seed(2)
     logits = (torch.randn(5, 30, 8192) * 3).to(torch.bfloat16).requires_grad_()
     target = torch.randint(1, 8192, (5, 30))
