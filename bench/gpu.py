@@ -156,16 +156,16 @@ def sec_contract() -> None:
 
 def sec_sdpa() -> None:
     """bf16 training steps with cuDNN in SDPA's backend choice (torch's default) and without (the platform's,
-    :func:`nmtcore.nn.layers.shape_free_cuda_attention`), each on batches whose shapes the process has not seen."""
+    :func:`nmtcore.devices.shape_free_cuda_attention`), each on batches whose shapes the process has not seen."""
     if ARGS.device.type != "cuda":
         result("sdpa", skipped="CUDA only")
         return
-    from nmtcore.nn import layers
+    from nmtcore import devices
 
     cfg = base_cfg(**{"train.precision": "bf16"})
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     batches = take(trainer, 4 * ARGS.steps)
-    layers._CUDNN_SDPA_CHECKED = True
+    devices._CUDNN_SDPA_CHECKED = True
     for cudnn, part in ((True, batches[: ARGS.steps]), (False, batches[2 * ARGS.steps: 3 * ARGS.steps])):
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         s, tokens = timed(lambda b: trainer.train_step([b]), part, 0)

@@ -19,6 +19,34 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def env_flag(var: str) -> bool:
+    """True when environment variable ``var`` is set to anything but empty, 0, false, no or off."""
+    return os.environ.get(var, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_CUDNN_SDPA_CHECKED = False
+
+
+def shape_free_cuda_attention() -> None:
+    """Take cuDNN out of SDPA's CUDA backends (once per process; ``NMTCORE_CUDNN_SDPA=1`` keeps it in).
+
+    torch 2.11 on an H100 sends bf16 attention with a padding mask to cuDNN first, and cuDNN builds an
+    execution plan for every new (batch, length) shape: a few hundred ms each, forward and backward. Every
+    token-budget batch here has new shapes, and every beam-search step a new key length, so the plans are
+    never reused: measured on one H100 (``bench/gpu.py``, section ``sdpa``: 3+3 layers d 256, 4,096-token
+    batches, 40 unseen batches each way), a bf16 training step took 555 ms with cuDNN in the choice and 38 ms
+    without. The flash and memory-efficient kernels that remain need no per-shape plan. Every attention of the
+    platform (:func:`nmtcore.nn.layers.attend`, the BERT layers through transformers' SDPA path) calls this
+    before running on a GPU.
+    """
+    global _CUDNN_SDPA_CHECKED
+    if _CUDNN_SDPA_CHECKED:
+        return
+    _CUDNN_SDPA_CHECKED = True
+    if not env_flag("NMTCORE_CUDNN_SDPA"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

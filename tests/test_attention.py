@@ -104,17 +104,17 @@ def test_attention_over_parts_equals_attention_over_their_concatenation(
 def test_cuda_attention_leaves_out_cudnn_unless_asked(monkeypatch, env, kept):
     """cuDNN's SDPA builds a plan per new shape (every batch and beam step here): taken out once per process,
     unless NMTCORE_CUDNN_SDPA=1."""
-    from nmtcore.nn import layers
+    from nmtcore import devices
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setenv("NMTCORE_CUDNN_SDPA", env)
-    monkeypatch.setattr(layers, "_CUDNN_SDPA_CHECKED", False)
+    monkeypatch.setattr(devices, "_CUDNN_SDPA_CHECKED", False)
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        layers.shape_free_cuda_attention()
+        devices.shape_free_cuda_attention()
         assert torch.backends.cuda.cudnn_sdp_enabled() is kept
         torch.backends.cuda.enable_cudnn_sdp(True)
-        layers.shape_free_cuda_attention()  # once per process: a second call changes nothing
+        devices.shape_free_cuda_attention()  # once per process: a second call changes nothing
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

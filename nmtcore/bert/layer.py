@@ -27,8 +27,8 @@ from nmtcore.bert.resolve import BertError, BertSpec, ResolvedBert, resolve_bert
 from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_table
 from nmtcore.config import BertConfig
 from nmtcore.data import BertInputs, EncodedSplit, PreparedData
+from nmtcore.devices import shape_free_cuda_attention
 from nmtcore.nn.checkpointing import checkpoint_layers
-from nmtcore.nn.layers import shape_free_cuda_attention
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch

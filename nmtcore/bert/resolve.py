@@ -43,6 +43,7 @@ from torch import nn
 from nmtcore.bert import distilled, made_here, sources, truncate
 from nmtcore.bert.errors import BertError, BertNotFoundError
 from nmtcore.config import BertConfig
+from nmtcore.devices import env_flag
 
 log = logging.getLogger("nmtcore.bert")
 
@@ -170,10 +171,7 @@ class ResolvedBert:
 
 def network_allowed() -> bool:
     """False when ``NMTCORE_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to anything but 0/false/empty."""
-    for var in ("NMTCORE_OFFLINE", "HF_HUB_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() not in ("", "0", "false", "no", "off"):
-            return False
-    return True
+    return not any(env_flag(var) for var in ("NMTCORE_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 def hub_endpoint() -> str:

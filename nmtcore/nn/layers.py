@@ -9,12 +9,12 @@ the short sequences the CPU trains on (see there why).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtcore.devices import shape_free_cuda_attention
 from nmtcore.nn.cache import LayerCache
 
 
@@ -71,28 +71,6 @@ class SinusoidalPositions(nn.Module):
         return self.table[offset : offset + length]  # (T, C)
 
 
-_CUDNN_SDPA_CHECKED = False
-
-
-def shape_free_cuda_attention() -> None:
-    """Take cuDNN out of SDPA's CUDA backends (once per process; ``NMTCORE_CUDNN_SDPA=1`` keeps it in).
-
-    torch 2.11 on an H100 sends bf16 attention with a padding mask to cuDNN first, and cuDNN builds an
-    execution plan for every new (batch, length) shape: a few hundred ms each, forward and backward. Every
-    token-budget batch here has new shapes, and every beam-search step a new key length, so the plans are
-    never reused: measured on one H100 (``bench/gpu.py``, 3+3 layers d 256, 4,096-token batches), a bf16
-    training step took 405 ms with cuDNN in the choice against 17 ms in fp32 (which cuDNN does not serve).
-    The flash and memory-efficient kernels that remain need no per-shape plan. Every attention of the
-    platform (:func:`attend`, the BERT layers through transformers' SDPA path) calls this before running.
-    """
-    global _CUDNN_SDPA_CHECKED
-    if _CUDNN_SDPA_CHECKED:
-        return
-    _CUDNN_SDPA_CHECKED = True
-    if os.environ.get("NMTCORE_CUDNN_SDPA", "").strip().lower() not in ("1", "true", "yes", "on"):
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def _explicit_path(q: Tensor, t_k: int) -> bool:
     """Whether attention of ``q`` (B, H, Tq, Dh) over ``t_k`` keys takes the explicit CPU path (see :func:`attend`)."""
     return q.device.type == "cpu" and (q.size(2) == 1 or q.dtype != torch.float32 or t_k <= 64)
@@ -108,7 +86,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     batch): 4-7x the explicit path in bf16 for 12-50 tokens and ~2x up to 200 (the backward was 24% of a
     bf16 training step at d 256), 1.1-1.3x in fp32 up to 50 tokens, less than it beyond ~64; for single-query
     decoding steps 2-4x. CUDA always takes SDPA (flash / memory-efficient kernels; not cuDNN's, see
-    :func:`shape_free_cuda_attention`).
+    :func:`nmtcore.devices.shape_free_cuda_attention`).
     """
     t_q, t_k = q.size(2), k.size(2)
     if q.is_cuda:
