@@ -7,7 +7,8 @@ Every figure is printed as a ``RESULT {json}`` line (and appended to ``--out``),
 the bare model measured in the same run. The models are the studies' (``multi30k_small`` preset: 3+3 layers,
 d 256, Multi30k En->De, 4,096-token batches); BERT arms read ``minilm`` as their studies do.
 
-  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile] [--out F]
+  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile]
+                      [--out F]
   python bench/gpu.py --device cpu --smoke-test     # every section on the CPU with a few steps (checks the script)
 """
 
@@ -39,6 +40,10 @@ from nmtcore.devices import autocast, autocast_dtype  # noqa: E402
 from nmtcore.engine import build_trainer  # noqa: E402
 
 ARGS = argparse.Namespace()
+
+# PLM-sponsored as the kd_alpha study trains it, except for its target BERT: minilm (L6/H384, 30k WordPieces)
+# in place of the study's e5:L6 (L6/H384, 250k), whose package is too large to carry to a lent GPU machine.
+PLM_TGT = {"model.tgt_bert.name": "minilm"} if os.environ.get("NMTCORE_GPU_PLM_TGT") == "minilm" else {}
 
 
 def result(section: str, **fields) -> None:
@@ -135,7 +140,8 @@ def sec_contract() -> None:
                 assert full.shape == (*batch.tgt_in.shape, VOCAB) and torch.isfinite(full).all(), "forward"
                 enc = model.encode(batch)
                 state = model.init_state(enc)
-                steps = [model.decode_step(batch.tgt_in[:, t: t + 1], enc, state) for t in range(batch.tgt_in.size(1))]
+                steps = [model.decode_step(batch.tgt_in[:, t: t + 1], enc, state)
+                         for t in range(batch.tgt_in.size(1))]
                 err = (torch.stack(steps, 1) - full).abs().max().item()
                 assert err < 1e-3, f"cached decoding differs from teacher forcing by {err:.2e}"
                 hyps = beam_search(model, batch, DecodeConfig(beam=3, max_len_b=6, precision="bf16"))
@@ -169,7 +175,8 @@ def sec_sdpa() -> None:
     for cudnn, part in ((True, batches[: ARGS.steps]), (False, batches[2 * ARGS.steps: 3 * ARGS.steps])):
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         s, tokens = timed(lambda b: trainer.train_step([b]), part, 0)
-        result("sdpa", cudnn_sdpa=cudnn, steps=len(part), tok_s=round(tokens / s), step_ms=round(1e3 * s / len(part), 1))
+        result("sdpa", cudnn_sdpa=cudnn, steps=len(part), tok_s=round(tokens / s),
+               step_ms=round(1e3 * s / len(part), 1))
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
@@ -187,8 +194,8 @@ def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("bf16", False, 4)))
         t_compile = time.perf_counter()
         ours_s, tokens = timed(lambda b: trainer.train_step([b]), batches, warmup)
         ours_peak = peak_gib()
-        row = {"precision": precision, "compiled": compiled, "max_tokens": cfg.data.max_tokens,
-               "steps": ARGS.steps, "nmtcore_tok_s": round(tokens / ours_s), "nmtcore_step_ms": 1e3 * ours_s / ARGS.steps,
+        row = {"precision": precision, "compiled": compiled, "max_tokens": cfg.data.max_tokens, "steps": ARGS.steps,
+               "nmtcore_tok_s": round(tokens / ours_s), "nmtcore_step_ms": 1e3 * ours_s / ARGS.steps,
                "nmtcore_peak_gib": round(ours_peak, 2),
                "wall_with_warmup_s": round(time.perf_counter() - t_compile, 1)}
         trainer = None
@@ -233,19 +240,21 @@ def trial_worker() -> int:
     while not Path(ARGS.go).exists():
         time.sleep(0.05)
     tokens = steps = 0
+    epoch = 1
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < ARGS.seconds:
-        try:
-            b = next(it)
-        except StopIteration:
-            it = trainer.train_batches(epoch=2)
-            b = next(it)
+        b = next(it, None)
+        if b is None:  # the epoch is over: the next one, shuffled anew
+            epoch += 1
+            it = trainer.train_batches(epoch=epoch)
+            continue
         trainer.train_step([b])
         tokens += b.n_tgt_tokens
         steps += 1
     sync()
     wall = time.perf_counter() - t0
-    print("WORKER " + json.dumps({"tokens": tokens, "steps": steps, "wall_s": wall, "peak_gib": peak_gib()}), flush=True)
+    print("WORKER " + json.dumps({"tokens": tokens, "steps": steps, "wall_s": wall, "peak_gib": peak_gib()}),
+          flush=True)
     return 0
 
 
@@ -303,16 +312,12 @@ def sec_decode() -> None:
         trainer = None
 
 
-# PLM-sponsored as the kd_alpha study trains it, except for its target BERT: minilm (L6/H384, 30k WordPieces)
-# in place of the study's e5:L6 (L6/H384, 250k), whose package is too large to carry to a lent GPU machine.
-PLM_TGT = {"model.tgt_bert.name": "minilm"} if os.environ.get("NMTCORE_GPU_PLM_TGT") == "minilm" else {}
-
-
 def sec_bert() -> None:
     """Training step time and peak GPU memory of the BERT arms (as their studies train them) against the baseline."""
+    plm = {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT}
     arms = {"baseline": {}, "bert_fused": DECODE_MODELS["bert_fused"], "bert_jam": DECODE_MODELS["bert_jam"],
-            "bert_jam_finetune": FINETUNE_CASES["bert_jam_ft"], "plm_sponsored": {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT},
-            "plm_sponsored_ckpt": {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT, "model.bert.activation_checkpointing": True,
+            "bert_jam_finetune": FINETUNE_CASES["bert_jam_ft"], "plm_sponsored": plm,
+            "plm_sponsored_ckpt": {**plm, "model.bert.activation_checkpointing": True,
                                    "model.tgt_bert.activation_checkpointing": True}}
     base = None
     for name, over in arms.items():
@@ -323,13 +328,14 @@ def sec_bert() -> None:
         s, tokens = timed(lambda b: trainer.train_step([b]), batches, ARGS.warmup)
         row = {"tok_s": round(tokens / s), "step_ms": round(1e3 * s / ARGS.steps, 2), "peak_gib": round(peak_gib(), 3)}
         base = base or row
-        result("bert", arm=name, **({"tgt_bert": "minilm"} if PLM_TGT and name.startswith("plm") else {}), **row, time_vs_baseline=round(base["tok_s"] / row["tok_s"], 2),
+        result("bert", arm=name, **({"tgt_bert": "minilm"} if PLM_TGT and name.startswith("plm") else {}), **row,
+               time_vs_baseline=round(base["tok_s"] / row["tok_s"], 2),
                memory_vs_baseline=round(row["peak_gib"] / base["peak_gib"], 2) if base["peak_gib"] else None)
         trainer = None
 
 
-SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert, "decode": sec_decode,
-            "trials": sec_trials, "compile": sec_compile}
+SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert,
+            "decode": sec_decode, "trials": sec_trials, "compile": sec_compile}
 
 
 def main() -> int:
