@@ -119,6 +119,24 @@ def test_checkpoints_pruned_and_averaged(tmp_path):
     torch.testing.assert_close(trainer.model.state_dict()[key], avg[key])
 
 
+def test_update_counts_the_batches_tokens_and_sums_their_losses(tmp_path):
+    """train_step takes each batch's token count from the batch (known on the host, so no wait for the device)
+    and sums the losses on the device: both must equal what the loss counts and returns batch by batch."""
+    from nmtcore.engine.losses import training_loss
+
+    trainer = make_trainer(tiny_experiment(tmp_path, **{"model.dropout": 0.0}))
+    batches = list(itertools.islice(trainer.train_batches(1), 3))
+    pad = trainer.data.vocab.pad_id
+    assert all(b.n_tgt_tokens == int(b.tgt_out.ne(pad).sum()) for b in batches)
+    trainer.model.train()
+    with torch.no_grad():
+        expect = [training_loss(trainer.model(b), b.tgt_out, trainer.cfg.train, pad) for b in batches]
+    stats = trainer.train_step(batches)  # one update, gradients accumulated over the three
+    assert stats["n_tokens"] == sum(lo.n_tokens for lo in expect) == sum(b.n_tgt_tokens for b in batches)
+    assert stats["loss_sum"] == pytest.approx(sum(lo.loss.item() for lo in expect), rel=1e-5)
+    assert stats["nll_sum"] == pytest.approx(sum(lo.nll.item() for lo in expect), rel=1e-5)
+
+
 def test_non_finite_loss_stops_training(tmp_path):
     cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
     trainer = make_trainer(cfg)

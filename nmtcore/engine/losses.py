@@ -35,17 +35,20 @@ class LossOut:
     kd: Tensor | None = None
 
 
-def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> LossOut:
+def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int,
+                       n_tokens: int | None = None) -> LossOut:
     """Label-smoothed cross-entropy with fairseq's semantics.
 
     ``loss = (1 - ε - ε_i)·nll + ε_i·Σ_v −log p_v`` with ``ε_i = ε / (V − 1)``, summed over non-pad
     positions (padding rows contribute nothing, forward or backward). logits: (B, T, V) any float dtype,
-    computed in fp32 (the gradient comes back in the logits' dtype); target: (B, T).
+    computed in fp32 (the gradient comes back in the logits' dtype); target: (B, T). ``n_tokens``: the
+    non-pad count when the caller knows it (a batch does, on the host); counted here otherwise, which on a
+    GPU waits for the device.
     """
     keep = target.ne(pad_id)  # (B, T)
     v = logits.size(-1)
     loss, nll = smoothed_cross_entropy(logits.reshape(-1, v), target.reshape(-1), keep.reshape(-1), epsilon)
-    return LossOut(loss=loss, nll=nll, n_tokens=int(keep.sum()))
+    return LossOut(loss=loss, nll=nll, n_tokens=int(keep.sum()) if n_tokens is None else n_tokens)
 
 
 def kd_mse(student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
@@ -89,10 +92,12 @@ def with_aux(lo: LossOut, aux: list[Tensor]) -> LossOut:
                    kd=lo.kd)
 
 
-def training_loss(out: ModelOutput, target: Tensor, cfg: TrainConfig, pad_id: int) -> LossOut:
+def training_loss(out: ModelOutput, target: Tensor, cfg: TrainConfig, pad_id: int,
+                  n_tokens: int | None = None) -> LossOut:
     """The training objective ``cfg`` selects: label-smoothed NLL, plus KD from BERT when
-    ``cfg.kd_alpha < 1`` (then ``out.kd`` must hold the KD states), plus the model's auxiliary losses."""
-    lo = label_smoothed_nll(out.logits, target, cfg.label_smoothing, pad_id)
+    ``cfg.kd_alpha < 1`` (then ``out.kd`` must hold the KD states), plus the model's auxiliary losses.
+    ``n_tokens``: as in :func:`label_smoothed_nll`."""
+    lo = label_smoothed_nll(out.logits, target, cfg.label_smoothing, pad_id, n_tokens)
     if cfg.kd_alpha < 1.0:
         if out.kd is None:
             raise ConfigError(f"train.kd_alpha: {cfg.kd_alpha} < 1 needs a BERT teacher, but the model returned no "

@@ -215,9 +215,13 @@ class Trainer:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def train_step(self, batches: list[Batch]) -> dict[str, float]:
-        """One optimizer update over ``batches`` (gradient accumulation); returns summed statistics."""
+        """One optimizer update over ``batches`` (gradient accumulation); returns summed statistics.
+
+        The host waits for the device once per update (the losses, to refuse a non-finite one before the
+        optimizer step); token counts come from the batches, which know them on the host.
+        """
         self.ddp_model.train()
-        loss_sum = nll_sum = 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # Σ loss, Σ nll, kept on the device
         n_tokens = 0
         for i, batch in enumerate(batches):
             sync = self.world_size == 1 or i == len(batches) - 1
@@ -225,21 +229,21 @@ class Trainer:
             with ctx:
                 with autocast(self.amp_dtype, self.device):
                     out = self.ddp_model(batch)
-                lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id)
+                lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id, batch.n_tgt_tokens)
                 lo.loss.backward()
-            loss_sum += lo.loss.item()
-            nll_sum += lo.nll.item()
+            sums += torch.stack([lo.loss.detach(), lo.nll.detach()]).double()
             n_tokens += lo.n_tokens
+        loss_sum, nll_sum = sums.tolist()
         if not math.isfinite(loss_sum):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"non-finite training loss ({loss_sum}) at update {self.state.num_updates + 1}")
-        total = torch.tensor([n_tokens], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             # DDP averages gradients over ranks; rescale so the update is (Σ loss) / (Σ tokens).
+            total = torch.tensor([n_tokens], dtype=torch.float64, device=self.device)
             dist.all_reduce(total)
             scale = self.world_size / total.item()
         else:
-            scale = 1.0 / max(total.item(), 1.0)
+            scale = 1.0 / max(n_tokens, 1)
         torch._foreach_mul_(self._grads(), scale)
         if self.cfg.train.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
