@@ -7,7 +7,7 @@ Every figure is printed as a ``RESULT {json}`` line (and appended to ``--out``),
 the bare model measured in the same run. The models are the studies' (``multi30k_small`` preset: 3+3 layers,
 d 256, Multi30k En->De, 4,096-token batches); BERT arms read ``minilm`` as their studies do.
 
-  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile]
+  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile,profile]
                       [--out F]
   python bench/gpu.py --device cpu --smoke-test     # every section on the CPU with a few steps (checks the script)
 """
@@ -180,13 +180,33 @@ def sec_sdpa() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def make_bare_step(cfg, vocab: int, pad_id: int, precision: str):
+    """A training step of a bare ``torch.nn.Transformer`` of ``cfg.model``'s size (fused Adam on a GPU)."""
+    m = cfg.model
+    torch.manual_seed(1)
+    bare = BareTransformer(vocab, m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout)
+    bare = bare.to(ARGS.device).train()
+    opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=ARGS.device.type == "cuda")
+    dtype = autocast_dtype(precision, ARGS.device)
+
+    def bare_step(b):
+        opt.zero_grad(set_to_none=True)
+        with autocast(dtype, ARGS.device):
+            logits = bare(b.src, b.tgt_in, b.src_mask)
+        F.cross_entropy(logits.float().view(-1, vocab), b.tgt_out.view(-1), ignore_index=pad_id,
+                        label_smoothing=0.1, reduction="sum").backward()
+        opt.step()
+
+    return bare_step
+
+
 def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("bf16", False, 4))) -> None:
     data = prepare_data(base_cfg().data)
     vocab = len(data.vocab)
     for precision, compiled, scale in runs:
         precision = low(precision)
         cfg = base_cfg(**{"train.precision": precision, "train.compile": compiled,
-                          "data.max_tokens": 4096 * scale})
+                          "data.max_tokens": round(4096 * scale)})
         reset_peak()
         trainer = build_trainer(cfg, data, device=ARGS.device)
         warmup = ARGS.warmup + (10 if compiled else 0)  # compiled: dynamic shapes settle over the first lengths
@@ -200,32 +220,68 @@ def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("bf16", False, 4)))
                "wall_with_warmup_s": round(time.perf_counter() - t_compile, 1)}
         trainer = None
         if not compiled:
-            m = cfg.model
-            torch.manual_seed(1)
-            bare = BareTransformer(vocab, m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout)
-            bare = bare.to(ARGS.device).train()
-            opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=ARGS.device.type == "cuda")
-            dtype = autocast_dtype(precision, ARGS.device)
-
-            def bare_step(b):
-                opt.zero_grad(set_to_none=True)
-                with autocast(dtype, ARGS.device):
-                    logits = bare(b.src, b.tgt_in, b.src_mask)
-                F.cross_entropy(logits.float().view(-1, vocab), b.tgt_out.view(-1), ignore_index=data.vocab.pad_id,
-                                label_smoothing=0.1, reduction="sum").backward()
-                opt.step()
-
+            bare_step = make_bare_step(cfg, vocab, data.vocab.pad_id, precision)
             reset_peak()
             bare_s, _ = timed(bare_step, batches, ARGS.warmup)
             row.update(bare_tok_s=round(tokens / bare_s), nmtcore_over_bare=round(bare_s / ours_s, 3),
                        bare_peak_gib=round(peak_gib(), 2))
-            bare = opt = None
+            bare_step = None
         result("compile" if compiled else "train", **row)
 
 
+def sec_profile() -> None:
+    """Where a bf16 training step's time goes, nmtcore's and the bare model's, at the trainer's batches and 4x
+    larger ones (torch.profiler over 10 steps): wall time against device-busy time per step, kernel launches and
+    host-device waits per step, and the ops that take the most device time and the most host time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ARGS.device.type == "cuda"
+    data = prepare_data(base_cfg().data)
+    precision = low("bf16")
+    n = 2 if ARGS.smoke_test else 10
+    for scale in (1, 4):
+        cfg = base_cfg(**{"train.precision": precision, "data.max_tokens": 4096 * scale})
+        trainer = build_trainer(cfg, data, device=ARGS.device)
+        batches = take(trainer, ARGS.warmup + n)
+        steps = {"nmtcore": lambda b: trainer.train_step([b]),
+                 "bare": make_bare_step(cfg, len(data.vocab), data.vocab.pad_id, precision)}
+        for who, step in steps.items():
+            for b in batches[: ARGS.warmup]:
+                step(b)
+            sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                for b in batches[ARGS.warmup:]:
+                    step(b)
+                sync()
+                wall = time.perf_counter() - t0
+            ev = prof.key_averages()
+            key = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(f"--- profile {who} max_tokens={cfg.data.max_tokens}: by {key}")
+            print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
+            if cuda:
+                print(f"--- profile {who} max_tokens={cfg.data.max_tokens}: by self_cpu_time_total")
+                print(ev.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
+
+            def count(*names):
+                return sum(e.count for e in ev if e.key in names) / n
+
+            busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e3 / n  # kernels
+            result("profile", who=who, max_tokens=cfg.data.max_tokens, steps=n,
+                   wall_ms_per_step=round(1e3 * wall / n, 2), device_busy_ms_per_step=round(busy, 2),
+                   launches_per_step=count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                           "cudaLaunchKernelExC"),
+                   waits_per_step=count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+                   copies_per_step=count("cudaMemcpyAsync", "cudaMemcpy"),
+                   tok_s=round(sum(b.n_tgt_tokens for b in batches[ARGS.warmup:]) / wall))
+        trainer = steps = None
+
+
 def sec_compile() -> None:
-    """``train.compile`` (inductor) at the trainer's batches and 4x larger ones."""
-    sec_train((("bf16", True, 1), ("bf16", True, 4)))
+    """``train.compile`` (inductor) in bf16 at the batch sizes of ``--compile-max-tokens``."""
+    sec_train(tuple(("bf16", True, int(t) / 4096) for t in ARGS.compile_max_tokens.split(",")))
 
 
 def trial_worker() -> int:
@@ -335,7 +391,7 @@ def sec_bert() -> None:
 
 
 SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert,
-            "decode": sec_decode, "trials": sec_trials, "compile": sec_compile}
+            "decode": sec_decode, "trials": sec_trials, "compile": sec_compile, "profile": sec_profile}
 
 
 def main() -> int:
@@ -349,6 +405,7 @@ def main() -> int:
     p.add_argument("--trials", default="1,2,4,8", help="trial counts sharing the device")
     p.add_argument("--seconds", type=float, default=15.0, help="each trial's timed training (trials section)")
     p.add_argument("--sentences", type=int, default=1000)
+    p.add_argument("--compile-max-tokens", default="4096,16384", help="batch sizes of the compile section")
     p.add_argument("--out", default="")
     p.add_argument("--scratch", default="bench/out/gpu")
     p.add_argument("--smoke-test", action="store_true", help="a few steps of every section")
