@@ -42,6 +42,7 @@ def test_unknown_nested_keys_raise_naming_the_key(d, key):
     ({"train.label_smoothing": 1.0}, "train.label_smoothing"),
     ({"data.max_tokens": 0}, "data.max_tokens"),
     ({"decode.nbest": 9}, "decode.nbest"),
+    ({"decode.max_sentences": -1}, "decode.max_sentences"),
     ({"train.precision": "fp8"}, "train.precision"),
     ({"data.tgt_lang": "en"}, "data.tgt_lang"),
     ({"train.max_epochs": 2.5}, "train.max_epochs"),
@@ -54,6 +55,17 @@ def test_out_of_range_and_mistyped_values_name_their_key(override, key):
     with pytest.raises(ConfigError) as e:
         preset("multi30k_small").with_overrides(override)
     assert str(e.value).split(":")[0] == key, str(e.value)
+
+
+def test_decode_batch_size_by_device_unless_set():
+    import torch
+
+    auto = preset("multi30k_small").decode
+    assert auto.max_sentences == 0
+    assert auto.sentences_per_batch(torch.device("cpu")) == 128
+    assert auto.sentences_per_batch(torch.device("cuda", 0)) == 1024
+    fixed = dataclasses.replace(auto, max_sentences=50)
+    assert {fixed.sentences_per_batch(torch.device(d)) for d in ("cpu", "cuda")} == {50}
 
 
 def test_heads_must_divide_d_model_message():

@@ -11,8 +11,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 from pathlib import Path
+
+if TYPE_CHECKING:
+    import torch
+
 
 class ConfigError(ValueError):
     """A configuration key is unknown, mistyped or out of range (message names the key)."""
@@ -339,7 +343,8 @@ class DecodeConfig:
     max_len_b: int = 10
     min_len: int = 1
     nbest: int = 1
-    max_sentences: int = 128
+    # Sentences per batch; 0 = by device (:meth:`sentences_per_batch`).
+    max_sentences: int = 0
     precision: str = "auto"
 
     def __post_init__(self) -> None:
@@ -348,6 +353,14 @@ class DecodeConfig:
         check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
               "max_len_a must be >= 0 and max_len_b >= 1")
         check(self.min_len >= 0, "decode.min_len", "must be >= 0")
-        check(self.max_sentences >= 1, "decode.max_sentences", "must be >= 1")
+        check(self.max_sentences >= 0, "decode.max_sentences", "must be >= 1, or 0 for the device's default")
         check(self.precision in ("auto", "fp32", "bf16"), "decode.precision",
               f"must be auto, fp32 or bf16, got {self.precision!r}")
+
+    def sentences_per_batch(self, device: torch.device) -> int:
+        """``max_sentences``, or by device when 0: 128 on a CPU (the size every CPU decoding figure in the README
+        was measured at), 1,024 on a GPU, where a beam step is bound by kernel launches, not arithmetic (on an H100, beam 5 over
+        Multi30k decoded 1,294 sentences/s at 128 a batch and 6,486 at 1,000: bench/gpu.py, decode section)."""
+        if self.max_sentences:
+            return self.max_sentences
+        return 128 if device.type == "cpu" else 1024

@@ -21,7 +21,7 @@ def translate_split(model: NMTModel, split: EncodedSplit, vocab: Any, dcfg: Deco
                     device: torch.device) -> list[str]:
     """Beam (or greedy, beam 1) decode every sentence of ``split``; detokenized, in corpus order."""
     model.eval()
-    batches = (b.to(device) for b in inference_batches(split, vocab, dcfg.max_sentences))
+    batches = (b.to(device) for b in inference_batches(split, vocab, dcfg.sentences_per_batch(device)))
     results = beam_search.translate(model, batches, dcfg)
     return [vocab.decode(results[i][0].tokens) for i in range(len(split.src))]
 
