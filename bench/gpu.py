@@ -200,7 +200,7 @@ def make_bare_step(cfg, vocab: int, pad_id: int, precision: str):
     return bare_step
 
 
-def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("bf16", False, 4))) -> None:
+def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("fp32", False, 4), ("bf16", False, 4))) -> None:
     data = prepare_data(base_cfg().data)
     vocab = len(data.vocab)
     for precision, compiled, scale in runs:
@@ -377,19 +377,22 @@ def sec_bert() -> None:
             "bert_jam_finetune": FINETUNE_CASES["bert_jam_ft"], "plm_sponsored": plm,
             "plm_sponsored_ckpt": {**plm, "model.bert.activation_checkpointing": True,
                                    "model.tgt_bert.activation_checkpointing": True}}
-    base = None
-    for name, over in arms.items():
-        cfg = ensure_bert(base_cfg(**{"train.precision": low("bf16"), **over}))
-        reset_peak()
-        trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
-        batches = take(trainer, ARGS.warmup + ARGS.steps)
-        s, tokens = timed(lambda b: trainer.train_step([b]), batches, ARGS.warmup)
-        row = {"tok_s": round(tokens / s), "step_ms": round(1e3 * s / ARGS.steps, 2), "peak_gib": round(peak_gib(), 3)}
-        base = base or row
-        result("bert", arm=name, **({"tgt_bert": "minilm"} if PLM_TGT and name.startswith("plm") else {}), **row,
-               time_vs_baseline=round(base["tok_s"] / row["tok_s"], 2),
-               memory_vs_baseline=round(row["peak_gib"] / base["peak_gib"], 2) if base["peak_gib"] else None)
-        trainer = None
+    for precision in ARGS.bert_precisions.split(","):
+        precision, base = low(precision), None
+        for name, over in arms.items():
+            cfg = ensure_bert(base_cfg(**{"train.precision": precision, **over}))
+            reset_peak()
+            trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+            batches = take(trainer, ARGS.warmup + ARGS.steps)
+            s, tokens = timed(lambda b: trainer.train_step([b]), batches, ARGS.warmup)
+            row = {"tok_s": round(tokens / s), "step_ms": round(1e3 * s / ARGS.steps, 2),
+                   "peak_gib": round(peak_gib(), 3)}
+            base = base or row
+            result("bert", arm=name, precision=precision,
+                   **({"tgt_bert": "minilm"} if PLM_TGT and name.startswith("plm") else {}), **row,
+                   time_vs_baseline=round(base["tok_s"] / row["tok_s"], 2),
+                   memory_vs_baseline=round(row["peak_gib"] / base["peak_gib"], 2) if base["peak_gib"] else None)
+            trainer = None
 
 
 SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert,
@@ -407,6 +410,7 @@ def main() -> int:
     p.add_argument("--trials", default="1,2,4,8", help="trial counts sharing the device")
     p.add_argument("--seconds", type=float, default=15.0, help="each trial's timed training (trials section)")
     p.add_argument("--sentences", type=int, default=1000)
+    p.add_argument("--bert-precisions", default="bf16", help="precisions of the bert section (e.g. fp32,bf16)")
     p.add_argument("--compile-max-tokens", default="4096,16384", help="batch sizes of the compile section")
     p.add_argument("--out", default="")
     p.add_argument("--scratch", default="bench/out/gpu")
