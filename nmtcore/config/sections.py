@@ -359,8 +359,9 @@ class DecodeConfig:
 
     def sentences_per_batch(self, device: torch.device) -> int:
         """``max_sentences``, or by device when 0: 128 on a CPU (the size every CPU decoding figure in the README
-        was measured at), 1,024 on a GPU, where a beam step is bound by kernel launches, not arithmetic (on an H100, beam 5 over
-        Multi30k decoded 1,294 sentences/s at 128 a batch and 6,486 at 1,000: bench/gpu.py, decode section)."""
+        was measured at); 1,024 on a GPU, where a beam step is bound by kernel launches, not arithmetic (on an
+        H100, beam 5 over Multi30k decoded 1,726 sentences/s at 128 a batch and 8,403 at 1,024, for 1.5 GiB:
+        bench/gpu.py's decode section, results/gpu-h100-2026-11-27 run 4)."""
         if self.max_sentences:
             return self.max_sentences
         return 128 if device.type == "cpu" else 1024
