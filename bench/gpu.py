@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import MODELS as DECODE_MODELS  # noqa: E402  (bench/: the decode models as studies build them)
 from finetune_memory import CASES as FINETUNE_CASES  # noqa: E402
-from train_throughput import BareTransformer  # noqa: E402
+from train_throughput import make_bare_step  # noqa: E402
 
 from nmtcore.bert import ensure_bert  # noqa: E402
 from nmtcore.config import DecodeConfig, preset  # noqa: E402
@@ -180,26 +179,6 @@ def sec_sdpa() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def make_bare_step(cfg, vocab: int, pad_id: int, precision: str):
-    """A training step of a bare ``torch.nn.Transformer`` of ``cfg.model``'s size (fused Adam on a GPU)."""
-    m = cfg.model
-    torch.manual_seed(1)
-    bare = BareTransformer(vocab, m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout)
-    bare = bare.to(ARGS.device).train()
-    opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=ARGS.device.type == "cuda")
-    dtype = autocast_dtype(precision, ARGS.device)
-
-    def bare_step(b):
-        opt.zero_grad(set_to_none=True)
-        with autocast(dtype, ARGS.device):
-            logits = bare(b.src, b.tgt_in, b.src_mask)
-        F.cross_entropy(logits.float().view(-1, vocab), b.tgt_out.view(-1), ignore_index=pad_id,
-                        label_smoothing=0.1, reduction="sum").backward()
-        opt.step()
-
-    return bare_step
-
-
 def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("fp32", False, 4), ("bf16", False, 4))) -> None:
     data = prepare_data(base_cfg().data)
     vocab = len(data.vocab)
@@ -220,7 +199,7 @@ def sec_train(runs=(("fp32", False, 1), ("bf16", False, 1), ("fp32", False, 4), 
                "wall_with_warmup_s": round(time.perf_counter() - t_compile, 1)}
         trainer = None
         if not compiled:
-            bare_step = make_bare_step(cfg, vocab, data.vocab.pad_id, precision)
+            bare_step = make_bare_step(cfg, vocab, data.vocab.pad_id, precision, ARGS.device)
             reset_peak()
             bare_s, _ = timed(bare_step, batches, ARGS.warmup)
             row.update(bare_tok_s=round(tokens / bare_s), nmtcore_over_bare=round(bare_s / ours_s, 3),
@@ -245,7 +224,7 @@ def sec_profile() -> None:
         trainer = build_trainer(cfg, data, device=ARGS.device)
         batches = take(trainer, ARGS.warmup + n)
         steps = {"nmtcore": lambda b: trainer.train_step([b]),
-                 "bare": make_bare_step(cfg, len(data.vocab), data.vocab.pad_id, precision)}
+                 "bare": make_bare_step(cfg, len(data.vocab), data.vocab.pad_id, precision, ARGS.device)}
         for who, step in steps.items():
             for b in batches[: ARGS.warmup]:
                 step(b)

@@ -47,6 +47,27 @@ class BareTransformer(torch.nn.Module):
         return F.linear(h, self.emb.weight)
 
 
+def make_bare_step(cfg, vocab: int, pad_id: int, precision: str, device: torch.device):
+    """A training step of a :class:`BareTransformer` of ``cfg.model``'s size, seeded as the trainer is
+    (``torch.manual_seed(1)``): forward under ``precision``'s autocast, label-smoothed CE summed, backward,
+    Adam (fused on a GPU)."""
+    m = cfg.model
+    torch.manual_seed(1)
+    bare = BareTransformer(vocab, m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout).to(device).train()
+    opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=device.type == "cuda")
+    dtype = autocast_dtype(precision, device)
+
+    def bare_step(b):
+        opt.zero_grad(set_to_none=True)
+        with autocast(dtype, device):
+            logits = bare(b.src, b.tgt_in, b.src_mask)
+        F.cross_entropy(logits.float().view(-1, vocab), b.tgt_out.view(-1), ignore_index=pad_id,
+                        label_smoothing=0.1, reduction="sum").backward()
+        opt.step()
+
+    return bare_step
+
+
 def time_steps(step, batches, warmup: int) -> tuple[float, int]:
     for b in batches[:warmup]:
         step(b)
@@ -83,20 +104,7 @@ def main() -> int:
         batches = [next(it) for _ in range(args.warmup + args.steps)]
         ours_s, tokens = time_steps(lambda b: trainer.train_step([b]), batches, args.warmup)
 
-        torch.manual_seed(1)
-        bare = BareTransformer(len(data.vocab), m.d_model, m.heads, m.encoder_layers, m.ffn_dim, m.dropout).train()
-        opt = torch.optim.Adam(bare.parameters(), lr=1e-4, betas=(0.9, 0.98))
-        dtype = autocast_dtype(precision, device)
-
-        def bare_step(b):
-            opt.zero_grad(set_to_none=True)
-            with autocast(dtype, device):
-                logits = bare(b.src, b.tgt_in, b.src_mask)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), b.tgt_out.view(-1),
-                                   ignore_index=data.vocab.pad_id, label_smoothing=0.1, reduction="sum")
-            loss.backward()
-            opt.step()
-
+        bare_step = make_bare_step(c, len(data.vocab), data.vocab.pad_id, precision, device)
         bare_s, _ = time_steps(bare_step, batches, args.warmup)
         print(f"train[{precision}]: nmtcore_tgt_tok_per_s={tokens / ours_s:.0f} bare_torch_tgt_tok_per_s={tokens / bare_s:.0f} "
               f"ratio_nmtcore_over_bare={bare_s / ours_s:.3f} steps={args.steps} tokens={tokens}", flush=True)
