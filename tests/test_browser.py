@@ -294,9 +294,16 @@ def test_ray_dashboard_signs_in_with_the_printed_token_and_lists_the_sweep(brows
         sweep_trial = "trial of browser-dash"
         page.goto(url + "/#/actors")
         page.get_by_text(sweep_trial).first.wait_for(timeout=60_000)
+        # Both trials, each an actor named after the sweep. On 2 busy cores the second trial's actor can start
+        # seconds after the first; the list is read again (page reloaded) until both are there, for 2 minutes.
+        t_actors = time.time()
+        while page.get_by_text(sweep_trial).count() < 2 and time.time() - t_actors < 120:
+            page.wait_for_timeout(3000)
+            page.reload()
+            page.get_by_text(sweep_trial).first.wait_for(timeout=60_000)
         page.wait_for_timeout(1500)
         shot(page, "ray_actors.png")
-        assert page.get_by_text(sweep_trial).count() >= 2  # both trials, each an actor named after the sweep
+        assert page.get_by_text(sweep_trial).count() >= 2, page.inner_text("body")
 
         jobs = page.request.get(url + "/api/jobs/").json()
         job = next(j for j in jobs if j.get("type") == "DRIVER" and j.get("status") == "RUNNING")
