@@ -148,7 +148,7 @@ def main() -> int:
     p.add_argument("--cache-updates", type=int, default=30)
     p.add_argument("--decode-sentences", type=int, default=500)
     p.add_argument("--memory-updates", type=int, default=20)
-    p.add_argument("--sweep-updates", type=int, default=160, help="the swept trial's updates (>= 2 minutes)")
+    p.add_argument("--sweep-updates", type=int, default=100, help="the swept trial's updates (>= 2 minutes)")
     args = p.parse_args()
     steps = args.steps.split(",")
     unknown = sorted(set(steps) - set(STEPS))

@@ -153,3 +153,17 @@ def test_early_stopping_on_validation_loss(tmp_path):
     summary = trainer.fit()  # lr 1.0 diverges: validation loss stops improving quickly
     assert summary.stop_reason == "early_stopping(patience=1)"
     assert summary.epochs < 6
+
+
+@pytest.mark.parametrize("value, shown", [("1", False), ("yes", False), ("0", True), ("off", True), ("", True)])
+def test_progress_bar_follows_no_progress_as_a_flag(monkeypatch, value, shown):
+    # NMTCORE_NO_PROGRESS=0 shows the bar (it read any non-empty value as "off" before).
+    from nmtcore.engine import trainer as trainer_module
+
+    monkeypatch.setenv("NMTCORE_NO_PROGRESS", value)
+    monkeypatch.setattr(trainer_module.sys.stderr, "isatty", lambda: True, raising=False)
+    bar = trainer_module._progress(1, rank=0)
+    assert (bar is not None) is shown
+    if bar is not None:
+        bar.close()
+    assert trainer_module._progress(1, rank=1) is None  # only rank 0 draws one

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from nmtcore.config import DecodeConfig, ExperimentConfig, PhaseConfig
 from nmtcore.config.sections import describe_phases
 from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate
 from nmtcore.decoding import translate_split
-from nmtcore.devices import autocast, autocast_dtype, default_device
+from nmtcore.devices import autocast, autocast_dtype, default_device, env_flag
 from nmtcore.engine.losses import check_kd, label_smoothed_nll, training_loss
 from nmtcore.engine.optim import InverseSqrtSchedule, build_optimizer
 from nmtcore.engine.phases import (
@@ -478,7 +477,7 @@ class Trainer:
 
 
 def _progress(epoch: int, rank: int):
-    if rank != 0 or not sys.stderr.isatty() or os.environ.get("NMTCORE_NO_PROGRESS"):
+    if rank != 0 or not sys.stderr.isatty() or env_flag("NMTCORE_NO_PROGRESS"):
         return None
     from tqdm import tqdm
 
