@@ -115,9 +115,11 @@ def run_step(name: str, cmd: list[str], env: dict[str, str], out: Path) -> dict:
 def machine() -> dict:
     import torch
 
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
-    return {"cpu": model, "cores": os.cpu_count(), "bf16_kernels": "avx512_bf16" in flags or "amx_bf16" in flags,
+    from nmtcore.devices import cpu_supports_bf16
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?")
+    return {"cpu": model, "cores": os.cpu_count(), "bf16_kernels": cpu_supports_bf16(),
             "torch": torch.__version__, "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
