@@ -43,8 +43,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 STEPS = ("peer", "vs_fairseq", "bert_cache", "decode_speed", "finetune_memory", "sweep_overhead")
 # The lines each bench prints with a figure against a bar (or the ratios the bar is read from).
-SUMMARY_LINE = re.compile(r"^(RESULT |ratio |peer=|ceiling |nmtcore (thr|qual)|nmtcore peak_rss"
-                          r"|\s*\"(overhead_|trial_time_outside|bar_met))")
+SUMMARY_LINE = re.compile(r"^(RESULT |ratio |peer=|ceiling |nmtcore (thr|qual)|nmtcore peak_rss)")
 
 
 def _cpu_busy_s() -> float:
@@ -180,10 +179,6 @@ def main() -> int:
             print("\n== vs_fairseq: skipped, the peer failed (no figures to compare with)", flush=True)
             continue
         done.append(run_step(name, *cmds[name], out))
-        if name == "sweep_overhead" and (out / "sweep_overhead.json").is_file():
-            so = json.loads((out / "sweep_overhead.json").read_text())
-            done[-1]["figures"].insert(0, " ".join(f"{k}={so.get(k)}" for k in (
-                "direct_wall_s", "tune_trial_wall_s", "trial_inside_run_experiment_s", "same_test_bleu_both_ways")))
         write_summary(out, info, done)
     print(f"\nsummary: {out / 'summary.md'}", flush=True)
     print((out / "summary.md").read_text(), flush=True)

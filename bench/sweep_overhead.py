@@ -126,6 +126,12 @@ def main() -> int:
     worst = max(out["overhead_per_trial_frac"], out["trial_time_outside_trainer_frac"])
     out["bar_met"] = args.threads >= 2 and d >= 120 and worst <= 0.05
     print(json.dumps(out, indent=2))
+    # One line with every figure (what bench/all.py's summary collects; the JSON above spans lines).
+    print(f"RESULT per-trial overhead={out['overhead_per_trial_frac']:.1%} (bar <= 5% at >= 2 threads, met: "
+          f"{out['bar_met']}) outside the trainer={out['trial_time_outside_trainer_s']} s "
+          f"({out['trial_time_outside_trainer_frac']:.1%}) direct_wall_s={out['direct_wall_s']} "
+          f"tune_trial_wall_s={out['tune_trial_wall_s']} inside_trainer_s={out['trial_inside_run_experiment_s']} "
+          f"same_test_bleu_both_ways={out['same_test_bleu_both_ways']}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sweep_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
