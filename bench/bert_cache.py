@@ -12,8 +12,11 @@ the frozen BERT, ``train.kd_alpha=0.9``: the BERT stream, the teacher's states p
 projection and the KD loss). PLM-sponsored fine-tunes its BERTs, so it has no cached epoch: its cost per
 update is ``bench/finetune_memory.py``'s. Every run trains the ``multi30k_small`` preset's epoch (the
 trainer's own batches, same seed; ``--max-updates N`` times its first N updates) through
-``Trainer.train_epoch``, the baseline twice: first and last, and every ratio is against the mean of the two
-(their spread, printed, is the run's noise: one baseline timing moved every ratio of a run by ~10%). The cache is built (or found) before the cached epoch starts;
+``Trainer.train_epoch``. The baseline is timed before the first model and again after each model's two runs,
+and a model's ratios are against the mean of the baseline runs just before and just after it: on a shared
+2-core machine the same 30 baseline updates ran at 2054 and then 2427 target tokens/s 20 minutes apart in one run
+(at 1570 in another, that morning), so a single baseline timing moved every ratio of a run by up to a third.
+The baselines' spread is printed with each model. The cache is built (or found) before the cached epoch starts;
 its one-time cost is in that run's setup_s. Bar (the issue): cached epoch <= 1.3 x baseline epoch.
 
 The ratio is of seconds per target token, which is what a whole epoch's ratio is (every run of an epoch
@@ -101,8 +104,8 @@ def main() -> int:
     # Untimed first: the process's first updates pay one-time costs (allocator, oneDNN kernels), which made the
     # baseline, timed first, 31-41 s for the same 30 updates in two runs and every ratio after it too small.
     epoch(base, data, "warm-up, not timed (baseline)", 10)
-    first = epoch(base, data, "baseline (no BERT), first", updates)
-    runs = []
+    before = epoch(base, data, "baseline (no BERT)", updates)
+    results = []
     for name in (MODELS if args.model == "all" else [args.model]):
         what, overrides = MODELS[name]
         bert = {**overrides, "model.bert.name": args.bert}
@@ -112,18 +115,18 @@ def main() -> int:
               "setup_s above (none once cached: reused across epochs, phases and sweep trials)", flush=True)
         recompute = epoch(base.with_overrides({**bert, "model.bert.use_cache": False}), data,
                           f"{name} ({what}), BERT recomputed every step", updates)
-        runs.append((name, cached, recompute))
-    last = epoch(base, data, "baseline (no BERT), last", updates)
-    baseline = {k: (first[k] + last[k]) / 2 for k in ("epoch_s", "s_per_token")}
-    spread = last["s_per_token"] / first["s_per_token"]
-    results = [f"RESULT baseline: last/first={spread:.3f} (the run's noise; ratios below are against their mean)"]
-    for name, cached, recompute in runs:
+        after = epoch(base, data, "baseline (no BERT)", updates)
+        baseline = {k: (before[k] + after[k]) / 2 for k in ("epoch_s", "s_per_token")}
         per = {k: r["s_per_token"] / baseline["s_per_token"] for k, r in (("cached", cached), ("recompute", recompute))}
         results.append(f"RESULT {name}: cached/baseline={per['cached']:.3f} (bar <= 1.3) "
                        f"recompute/baseline={per['recompute']:.3f} recompute/cached={per['recompute'] / per['cached']:.3f} "
                        f"(per target token = whole epoch; time of the {updates or 'epoch'} updates alone: cached/baseline="
-                       f"{cached['epoch_s'] / baseline['epoch_s']:.3f}; against the first / last baseline: "
-                       f"{cached['s_per_token'] / first['s_per_token']:.3f} / {cached['s_per_token'] / last['s_per_token']:.3f})")
+                       f"{cached['epoch_s'] / baseline['epoch_s']:.3f}; baseline before / after it: "
+                       f"{1 / before['s_per_token']:.0f} / {1 / after['s_per_token']:.0f} tgt tok/s, "
+                       f"cached/baseline against each: {cached['s_per_token'] / before['s_per_token']:.3f} / "
+                       f"{cached['s_per_token'] / after['s_per_token']:.3f})")
+        print(results[-1], flush=True)
+        before = after
     print("\n".join(["summary:", *results]), flush=True)
     return 0
 

@@ -12,7 +12,7 @@ Cases (``multi30k_small`` preset, Multi30k En→De, the trainer's own batches, s
 Per case: the process's peak resident memory (VmHWM over the whole run: data, model, optimizer, updates),
 the peak over the updates alone (VmHWM reset after the build), and seconds per update. Beside it, where the C
 library is glibc, the peak of the memory the process's allocations hold (``mallinfo2``: in-use heap chunks plus
-mmapped blocks, sampled every 2 ms during the updates): the difference between the two is what the allocator keeps
+mmapped blocks, sampled every 10 ms during the updates): the difference between the two is what the allocator keeps
 mapped but free (fragmentation), which the bar counts, as the machine does. Bars (the issue):
 a fine-tuned BERT's trial peak <= 2 x the baseline trial's; PLM-sponsored peak <= 4 GB.
 
@@ -71,7 +71,7 @@ class _LivePeak:
         return (m.uordblks + m.hblkhd) / 2**20
 
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
+        while not self._stop.wait(0.01):  # mallinfo2 locks the arenas: not too often
             self.peak = max(self.peak or 0.0, self.live())
 
     def __enter__(self) -> "_LivePeak":
