@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from nmtcore.allocator import allocator_in_use, reexec_with_allocator
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
 from nmtcore.engine import build_trainer, setup_torch
@@ -85,6 +86,7 @@ def main() -> int:
     p.add_argument("--fresh-cache", action="store_true", help="delete the feature cache first (time its build)")
     p.add_argument("--smoke-test", action="store_true", help="a few updates each, to check the script runs")
     args = p.parse_args()
+    reexec_with_allocator()  # on the allocator a trial trains on (nmtcore.allocator)
     updates = 5 if args.smoke_test else args.max_updates
     base = preset("multi30k_small").with_overrides({
         "data.data_dir": args.data_dir, "data.download": False, "train.num_threads": args.threads,
@@ -96,7 +98,8 @@ def main() -> int:
     if args.fresh_cache and cache.exists():
         shutil.rmtree(cache)
     m = base.model
-    print(f"threads={torch.get_num_threads()} precision={args.precision} model={m.encoder_layers}+{m.decoder_layers} "
+    print(f"threads={torch.get_num_threads()} allocator={allocator_in_use()} precision={args.precision} "
+          f"model={m.encoder_layers}+{m.decoder_layers} "
           f"d={m.d_model} vocab={len(data.vocab)} max_tokens={base.data.max_tokens} "
           f"train_sentences={len(data.train)} bert={args.bert} "
           f"updates_per_run={'full epoch' if not updates else updates}", flush=True)

@@ -33,11 +33,12 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from nmtcore.allocator import tune_allocator
 from nmtcore.bert import ensure_bert
 from nmtcore.config import DecodeConfig, preset
 from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
-from nmtcore.devices import autocast_dtype, tune_allocator
+from nmtcore.devices import autocast_dtype
 from nmtcore.engine import build_trainer, setup_torch
 
 from finetune_memory import CASES  # bench/: the PLM-sponsored trial as the kd_alpha study trains it

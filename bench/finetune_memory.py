@@ -10,10 +10,12 @@ Cases (``multi30k_small`` preset, Multi30k En→De, the trainer's own batches, s
   target BERT e5:L6 fine-tuned as the decoder, half-layer KD teacher, α = 0.9, MLM and target-LM losses).
 
 Per case: the process's peak resident memory (VmHWM over the whole run: data, model, optimizer, updates),
-the peak over the updates alone (VmHWM reset after the build), and seconds per update. Beside it, where the C
-library is glibc, the peak of the memory the process's allocations hold (``mallinfo2``: in-use heap chunks plus
-mmapped blocks, sampled every 10 ms during the updates): the difference between the two is what the allocator keeps
-mapped but free (fragmentation), which the bar counts, as the machine does. Bars (the issue):
+the peak over the updates alone (VmHWM reset after the build), and seconds per update. Every case runs on the
+allocator a sweep's trial trains on (:mod:`nmtcore.allocator`: tcmalloc where it is installed, else glibc's
+malloc; ``NMTCORE_ALLOCATOR=system`` for glibc's); the first line says which. Under glibc's, beside the peak, the
+peak of the memory the process's allocations hold (``mallinfo2``: in-use heap chunks plus mmapped blocks, sampled
+every 10 ms during the updates): the difference between the two is what the allocator keeps mapped but free
+(fragmentation), which the bar counts, as the machine does. Bars (the issue):
 a fine-tuned BERT's trial peak <= 2 x the baseline trial's; PLM-sponsored peak <= 4 GB.
 
   python bench/finetune_memory.py --data-dir ../shared/data [--threads 2] [--updates 20]
@@ -27,6 +29,8 @@ import os
 import subprocess
 import sys
 import time
+
+from nmtcore.allocator import allocator_in_use, reexec_with_allocator
 
 CASES = {
     "baseline": {},
@@ -48,7 +52,7 @@ def _vm(field: str) -> float:
 
 class _LivePeak:
     """Peak of glibc's in-use heap chunks + mmapped blocks (MiB), sampled by a thread; None where the C library
-    has no ``mallinfo2`` (not glibc, or glibc < 2.33)."""
+    has no ``mallinfo2`` (not glibc, or glibc < 2.33) or another allocator is preloaded (tcmalloc, jemalloc)."""
 
     def __init__(self) -> None:
         import ctypes
@@ -56,12 +60,13 @@ class _LivePeak:
 
         fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
         info = type("mallinfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in fields]})
-        try:
-            self._call = ctypes.CDLL("libc.so.6").mallinfo2
-        except (OSError, AttributeError):
-            self._call = None
-        else:
-            self._call.restype = info
+        self._call = None
+        if allocator_in_use() == "system":  # glibc's counters say nothing where another allocator serves malloc
+            try:
+                self._call = ctypes.CDLL("libc.so.6").mallinfo2
+                self._call.restype = info
+            except (OSError, AttributeError):
+                self._call = None
         self.peak: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -141,6 +146,8 @@ def main() -> int:
     args = p.parse_args()
     if args.case:
         return child(args)
+    reexec_with_allocator()  # its cases (children) start on the allocator a trial trains on (nmtcore.allocator)
+    print(f"allocator={allocator_in_use()}", flush=True)
     rows = []
     for case in args.cases.split(","):
         # A first process builds what is cached (BERT, its WordPiece stream, FWET table) and is not measured:

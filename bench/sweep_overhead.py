@@ -45,6 +45,7 @@ os.environ.setdefault("NMTCORE_NO_PROGRESS", "1")
 import torch
 
 from nmtcore import tracking
+from nmtcore.allocator import allocator_in_use, reexec_with_allocator
 from nmtcore.config import preset
 from nmtcore.engine import run_experiment
 from nmtcore.sweep import driver
@@ -62,6 +63,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="2: direct, sweep, sweep, direct (ABBA); 1: one each")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
+    reexec_with_allocator()  # the direct run on the allocator the sweep's trial gets (nmtcore.allocator)
+    print(f"allocator={allocator_in_use()}", flush=True)
 
     work = Path(tempfile.mkdtemp(prefix="nmtcore-sweep-bench-"))
     cfg = preset(args.preset).with_overrides({

@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from nmtcore import bleu
+from nmtcore.allocator import tune_allocator
 from nmtcore.config import preset
 from nmtcore.data import prepare_data
 from nmtcore.decoding import translate_split
-from nmtcore.devices import autocast_dtype, tune_allocator
+from nmtcore.devices import autocast_dtype
 from nmtcore.engine import build_trainer
 from torch.utils.flop_counter import FlopCounterMode
 

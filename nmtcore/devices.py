@@ -8,11 +8,9 @@ log-probs and optimizer state always stay fp32.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
-import platform
 
 import torch
 
@@ -90,49 +88,3 @@ def autocast(dtype: torch.dtype | None, device: torch.device | str) -> contextli
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
-# glibc's malloc, as tuned by :func:`tune_allocator`: blocks up to this size come from the heap, not from a fresh
-# mmap each time, and the heap keeps up to this much free memory at its top instead of giving it back at once.
-MMAP_THRESHOLD = 256 << 20
-TRIM_THRESHOLD = 512 << 20
-# Any of these set: the user tunes the allocator (or preloads another one) and we leave it alone.
-ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                 "GLIBC_TUNABLES")
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-@functools.lru_cache(maxsize=None)
-def on_glibc() -> bool:
-    """True on Linux with glibc, the only allocator :func:`tune_allocator` knows how to tune."""
-    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-
-
-@functools.lru_cache(maxsize=None)
-def tune_allocator() -> bool:
-    """Stop glibc's malloc from handing every large tensor freshly mapped, zeroed pages; True if it was tuned.
-
-    By default glibc serves a block above its (adaptive, at most 32 MiB) mmap threshold with a new mapping and
-    unmaps it on free, and gives the heap's free top back to the kernel beyond twice that threshold. A beam-search
-    step frees and reallocates its large tensors (logits, log-probabilities) every time, so each step faults in,
-    zeroed, memory it has just released. With the thresholds raised (:data:`MMAP_THRESHOLD`,
-    :data:`TRIM_THRESHOLD`) the heap keeps and reuses it: measured here (2 threads, the baseline Transformer 3+3,
-    d 256, beam 5) ~10x fewer minor page faults and ~25% more sentences/s (README, "The allocator").
-
-    Called by processes that decode (:class:`~nmtcore.decoding.translator.Translator`), not by training: there
-    the evidence was mixed (the baseline's updates faster in some pairs, PLM-sponsored's 14% slower in two runs
-    and its peak resident memory higher), and a trial's memory is what sweeps pack by.
-
-    Applies once per process, on Linux with glibc only; not when the user set any of :data:`ALLOCATOR_ENV` or
-    preloads another allocator (``LD_PRELOAD`` naming a ``*malloc*`` library: jemalloc, tcmalloc, mimalloc).
-    """
-    if not on_glibc():
-        return False
-    if any(os.environ.get(name) for name in ALLOCATOR_ENV) or "malloc" in os.environ.get("LD_PRELOAD", ""):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(MMAP_THRESHOLD))
-                and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(TRIM_THRESHOLD)))

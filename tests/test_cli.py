@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from nmtcore import tracking
+from nmtcore.allocator import find_library
 from nmtcore.checkpoint import epoch_checkpoints
 from nmtcore.testing.synthetic import translate as gold
 from nmtcore.testing.synthetic import write_corpus
@@ -41,6 +42,8 @@ def test_train_logs_params_metrics_and_hypotheses_to_mlflow(trained):
     assert run.status == "FINISHED"
     assert run.params["model.d_model"] == "64" and run.params["data.corpus"] == "parallel"
     assert run.tags["nmtcore.model"] == "transformer" and "nmtcore.checksum.vocab" in run.tags
+    # The console command trained on tcmalloc where it is installed (it re-executed itself on it: nmtcore.allocator).
+    assert run.tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
     epochs = tracking.get_run_metrics(summary["mlflow_run_id"], tracking_uri=uri)
     assert [step for step, _ in epochs["valid_loss"]] == list(range(1, 7))
     assert "valid_bleu" in epochs and "test/test/bleu" in epochs

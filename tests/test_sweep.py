@@ -12,6 +12,7 @@ import torch
 
 import search_spaces
 from nmtcore import tracking
+from nmtcore.allocator import find_library
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend
 from nmtcore.sweep import settings as sweep_settings
@@ -178,6 +179,8 @@ def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tm
         epochs = tracking.get_run_metrics(c.run_id, store)["valid_loss"]
         assert [step for step, _ in epochs] == [1, 2]
         assert c.tags["nmtcore.node_ids"] and c.tags["varied.model.d_model"] in ("32", "64")
+        # Its worker process was started on tcmalloc where it is installed (the Train workers' runtime env).
+        assert c.tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
         assert "references/test.yy" in tracking.list_artifacts(c.run_id, store)
     # Both trials ran at once on the 2 CPUs.
     (a, b) = sorted(children, key=lambda r: r.start_time)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nmtcore import tracking
+from nmtcore.allocator import find_library
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, ray_backend
 from nmtcore.sweep import settings as sweep_settings
@@ -250,8 +251,11 @@ def test_protocol_baseline_is_trained_once_for_two_sweeps_and_a_resume(ray_clust
             for r in (first, second, third)}
     assert len(keys) == 1
     key = keys.pop()
-    assert len(tracking.search_runs(f"tags.`{baseline_store.KEY_TAG}` = '{key}' and "
-                                    "tags.`nmtcore.role` = 'baseline'", store)) == 1  # trained once
+    trained = tracking.search_runs(f"tags.`{baseline_store.KEY_TAG}` = '{key}' and "
+                                   "tags.`nmtcore.role` = 'baseline'", store)
+    assert len(trained) == 1  # trained once
+    # by a pre-sweep task started on the allocator the trials get (tcmalloc where installed)
+    assert trained[0].tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
     uses = baseline_store.uses(root, key)
     assert [u["trained_now"] for u in uses] == [True, False, False]  # the resume never asked for it again
     for result in (first, second, resumed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nmtcore.allocator import AllocatorError
 from nmtcore.bert import BertError
 from nmtcore.checkpoint import CheckpointError
 from nmtcore.config import ConfigError
@@ -10,4 +11,5 @@ from nmtcore.sweep import SpaceError, SweepError
 from nmtcore.tracking import TrackingError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, CheckpointError, TrackingError, SpaceError,
-                                                SweepError, BertError, FileNotFoundError, PermissionError)
+                                                SweepError, BertError, AllocatorError, FileNotFoundError,
+                                                PermissionError)

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from nmtcore.allocator import reexec_with_allocator
 from nmtcore.cli.errors import USER_ERRORS
 from nmtcore.config import PRESETS, ConfigError, ExperimentConfig, parse_overrides, preset
 
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-name")
     t.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in the output dir")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd_train, trains=True)
 
     tr = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
     tr.add_argument("--checkpoint", required=True)
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--cache-dir", help="cache root (default: $NMTCORE_CACHE or ~/.cache/nmtcore)")
     bp.add_argument("--no-download", action="store_true", help="never download the corpus")
     bp.add_argument("--force", action="store_true", help="pretrain again even if the result is cached")
-    bp.set_defaults(func=cmd_bert_pretrain)
+    bp.set_defaults(func=cmd_bert_pretrain, trains=True)
 
     bb = sub.add_parser("bert-build", help="make (or find) a BERT by name and print where it is and what it is: "
                                            "minilm | mpnet | e5 [:L<k>], distilled:L2-H128, pretrained-here:…")
@@ -225,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (not left RUNNING) and checkpoints already written stay the resume point.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        if argv is None and getattr(args, "trains", False):
+            # The console command only (a caller's own process, a test's or a notebook's, is never replaced):
+            # start again on tcmalloc where it is installed (nmtcore.allocator), before anything is allocated.
+            reexec_with_allocator()
         return args.func(args)
     except USER_ERRORS as e:
         print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

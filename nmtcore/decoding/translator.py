@@ -8,12 +8,13 @@ from typing import Any, Mapping
 
 import torch
 
+from nmtcore.allocator import tune_allocator
 from nmtcore.bert import bert_layers, word_start_table
 from nmtcore.checkpoint import CheckpointError, load_checkpoint, load_model_weights
 from nmtcore.config import ConfigError, DecodeConfig, ExperimentConfig
 from nmtcore.data import EncodedSplit, SubwordVocab, encode_split, inference_batches
 from nmtcore.decoding import beam_search
-from nmtcore.devices import default_device, tune_allocator
+from nmtcore.devices import default_device
 from nmtcore.models import NMTModel, build_model
 
 

@@ -142,7 +142,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
-                                                    tracking_uri=settings.tracking_uri, used_by=settings.name)
+                                                    env=settings.worker_env(), tracking_uri=settings.tracking_uri,
+                                                    used_by=settings.name)
             base = base.with_overrides({"train.init_from": str(made.path)})
         tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
                 "nmtcore.space": space.name, "nmtcore.model": model,
@@ -183,7 +184,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
             bert_footprints=footprints, trial_memory_bytes=trial_bytes,
             borrow_idle_cpus=settings.borrow_idle_cpus and workers == 1 and not settings.gpus_per_trial,
-            borrow_check_s=settings.borrow_check_s)
+            borrow_check_s=settings.borrow_check_s, worker_env=settings.worker_env())
 
         interrupted = True
         report_files: list[str] = []

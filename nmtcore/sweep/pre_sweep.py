@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from nmtcore.bert import prepare_bert_inputs
 from nmtcore.bert.ensure import ensure_bert_resolved
@@ -80,12 +80,14 @@ def build_features(cfg: ExperimentConfig) -> bool:
     return layer is not None and layer.cache_wanted
 
 
-def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, **kwargs: Any) -> Baseline:
+def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, env: Mapping[str, str] | None = None,
+                         **kwargs: Any) -> Baseline:
     """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
-    ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one."""
+    ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one, with ``env``
+    added to the task process's environment (as the trials': the allocator's preload)."""
     checksums = _DATA_CHECKSUMS.get(_data_key(cfg.data)) or prepare_data_task(cfg.data)
     key = baseline_key(cfg, checksums)
     found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
     gpus = driver_node_gpus()
     return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
-                              gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", **kwargs)
+                              gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", env=env, **kwargs)

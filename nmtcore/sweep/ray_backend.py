@@ -449,11 +449,13 @@ def free_cpus(cpus: float, settle_s: float = 5.0) -> float:
 
 
 def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float = 0.0,
-                       progress_kw: str | None = None, **kwargs: Any) -> T:
+                       progress_kw: str | None = None, env: Mapping[str, str] | None = None, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` as a Ray task named ``name`` (so the dashboard lists it, under the sweep's
     job), on the driver's node with its CPUs (torch threads to match) and ``gpus``, with the driver's
-    cache and hub settings; blocks until it ends, printing its progress (:class:`PhaseProgress`). Returns
-    its value; raises its exception as it was raised (a user error stays a one-line error)."""
+    cache and hub settings and ``env`` added to its process's environment (a task that trains: the allocator's
+    preload, :meth:`~nmtcore.sweep.settings.SweepSettings.worker_env`); blocks until it ends, printing its
+    progress (:class:`PhaseProgress`). Returns its value; raises its exception as it was raised (a user error
+    stays a one-line error)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = ray.get_runtime_context().get_node_id()
@@ -463,7 +465,7 @@ def run_pre_sweep_task(name: str, fn: Callable[..., T], *args: Any, gpus: float 
     # behind (a stopped trial's worker group) must not make this task wait forever for CPUs that never free.
     remove_leaked_placement_groups()
     reserve = max(1.0, min(cpus, float(int(free_cpus(cpus)))))
-    env = {k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}
+    env = {**{k: v for k, v in os.environ.items() if k.startswith(TASK_ENV_PREFIXES)}, **(env or {})}
     progress = PhaseProgress(name)
     progress.started(f"Ray task, {reserve:g} CPU{'s' if reserve != 1 else ''}" + (f", {gpus:g} GPU" if gpus else "")
                      + (f" ({cpus - reserve:g} of the node's held by others)" if reserve < cpus else ""))
@@ -661,7 +663,9 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
             failure_config=ray.train.FailureConfig(max_failures=0,
                                                    controller_failure_limit=ctx.controller_failure_limit),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
-            callbacks=[TuneReportCallback()]),
+            callbacks=[TuneReportCallback()],
+            # Set when each worker process starts: an allocator can only be preloaded then (nmtcore.allocator).
+            worker_runtime_env={"env_vars": dict(ctx.worker_env)} if ctx.worker_env else None),
     )
     try:
         trainer.fit()

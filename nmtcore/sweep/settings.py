@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nmtcore.allocator import ALLOCATOR_VAR, AllocatorError, preload_env, resolve_allocator
 from nmtcore.tracking import resolve_tracking_uri
 
 DEFAULT_EXPERIMENT = "nmtcore-sweeps"
@@ -58,6 +59,8 @@ class SweepSettings:
         resume: continue the sweep ``<storage>/<name>`` instead of starting one.
         dashboard: start the Ray dashboard (local clusters only), on ``dashboard_host``.
         num_cpus: logical CPUs of a local cluster; ``None`` = all cores.
+        allocator: the C allocator of the trials' training processes and of the shared baseline's
+            (:mod:`nmtcore.allocator`); ``None`` = ``$NMTCORE_ALLOCATOR``, else ``auto`` (tcmalloc where installed).
         ray_temp_dir: Ray's session directory for a local cluster (``None`` = Ray's default).
         scratch_dir: trial output directories (node-local is fine); ``None`` = ``<storage>/<name>/trials``
             for a local storage path, else a temporary directory.
@@ -95,6 +98,9 @@ class SweepSettings:
     num_cpus: int | None = option(None, "logical CPUs of the local Ray cluster (default: all cores)")
     memory_gb: float | None = option(None, "memory the local Ray cluster may reserve for trials, GiB (default: "
                                            "Ray's share of what is free); trials are packed by their estimates")
+    allocator: str | None = option(None, "C allocator of the processes that train: auto (tcmalloc where installed), "
+                                         "tcmalloc, jemalloc, system or a library's path (default: $NMTCORE_ALLOCATOR, "
+                                         "else auto; nmtcore.allocator)")
     ray_temp_dir: str | None = None
     scratch_dir: str | None = None
     report_dir: str | None = option(None, "report folder (default: <storage>/<name>/report)")
@@ -121,6 +127,18 @@ class SweepSettings:
         for ok, msg in checks:
             if not ok:
                 raise SweepError(msg)
+        try:
+            resolve_allocator(self.allocator)
+        except AllocatorError as e:
+            raise SweepError(str(e)) from None
+
+    def worker_env(self) -> dict[str, str]:
+        """What the processes that train add to their environment: the allocator's preload. On a joined cluster
+        only an explicit choice applies (this machine's libraries say nothing of the nodes')."""
+        choice = (self.allocator or os.environ.get(ALLOCATOR_VAR, "")).strip() or "auto"
+        if self.address and choice == "auto":
+            return {}
+        return preload_env(choice)  # {} where this process already preloads one (a local cluster's workers inherit it)
 
 
 def default_storage() -> str:

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from nmtcore.allocator import allocator_in_use
 from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
 from nmtcore.engine import Callback
@@ -50,7 +51,8 @@ class TrackingCallback(Callback):
         tags = {f"nmtcore.checksum.{k}": v for k, v in trainer.data.checksums.items()}
         tags.update({"nmtcore.model": self.cfg.model.name, "nmtcore.corpus": self.cfg.data.corpus,
                      "nmtcore.langs": f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
-                     "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype)})
+                     "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype),
+                     "nmtcore.allocator": allocator_in_use()})  # step times and memory depend on it
         tags.update(bert_tags(trainer.model, self.cfg))
         self.tracker.set_tags(provenance_tags(tags))
         if trainer.state.history:  # resumed: the checkpoint may be newer than the run's record
