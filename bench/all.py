@@ -21,6 +21,10 @@ running after it, e.g. Ray's, count as others). A figure is worth reading when `
 ``sweep_overhead`` the trial itself trains in a Ray worker, which is not the bench's child, so about a core of
 it shows as others' there, and its load is the bench's own ``load_average_1min``.
 
+Allocator: ``bert_cache``, ``finetune_memory`` and ``sweep_overhead`` start on what a sweep's trials train on
+(:mod:`nmtcore.allocator`: tcmalloc where installed); ``vs_fairseq`` and ``decode_speed`` on glibc's malloc, as the
+fairseq peer runs and as ``nmtcore translate`` decodes. The summary names it.
+
 Prints a summary (every ratio line the benches print, with its bar) and writes it, with the per-step load, to
 ``OUT/summary.json`` and ``OUT/summary.md``. Run it alone on the machine.
 
@@ -114,12 +118,17 @@ def run_step(name: str, cmd: list[str], env: dict[str, str], out: Path) -> dict:
 def machine() -> dict:
     import torch
 
+    from nmtcore.allocator import AllocatorError, resolve_allocator
     from nmtcore.devices import cpu_supports_bf16
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?")
+    try:  # what the training benches (bert_cache, finetune_memory, sweep_overhead) start on, as trials do
+        allocator = resolve_allocator() or "glibc's malloc"
+    except AllocatorError as e:
+        allocator = f"none: {e}"
     return {"cpu": model, "cores": os.cpu_count(), "bf16_kernels": cpu_supports_bf16(),
-            "torch": torch.__version__, "python": platform.python_version(),
+            "torch": torch.__version__, "python": platform.python_version(), "training_allocator": allocator,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -127,7 +136,8 @@ def write_summary(out: Path, info: dict, steps: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps({"machine": info, "steps": steps}, indent=2) + "\n")
     md = [f"# bench/all.py, {info['started']}", "",
           f"{info['cpu']}, {info['cores']} cores, bf16 kernels: {'yes' if info['bf16_kernels'] else 'no'}; "
-          f"torch {info['torch']}, Python {info['python']}", "",
+          f"torch {info['torch']}, Python {info['python']}; training benches' allocator: {info['training_allocator']} "
+          "(vs_fairseq and decode_speed run on glibc's, as the fairseq peer and `nmtcore translate` do)", "",
           "| step | exit | wall s | own cores | others' cores | load 1 min (start, end) |", "|---|---|---|---|---|---|"]
     md += [f"| {s['step']} | {s['exit']} | {s['wall_s']:.0f} | {s['own_cores']:.2f} | {s['others_cores']:.2f} | "
            f"{s['load_1min_start_end'][0]:.2f}, {s['load_1min_start_end'][1]:.2f} |" for s in steps]
@@ -170,8 +180,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
-    print(f"{info['cpu']}, {info['cores']} cores, bf16 kernels: {info['bf16_kernels']}, torch {info['torch']}; "
-          f"started {info['started']}", flush=True)
+    print(f"{info['cpu']}, {info['cores']} cores, bf16 kernels: {info['bf16_kernels']}, torch {info['torch']}, "
+          f"training benches' allocator: {info['training_allocator']}; started {info['started']}", flush=True)
     cmds = commands(args, out)
     done: list[dict] = []
     for name in steps:
