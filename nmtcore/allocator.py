@@ -8,11 +8,12 @@ process's speed (pages faulted in again) and its resident memory (freed memory k
   tensors; glibc hands each such block a fresh zeroed mapping unless its thresholds are raised.
 - **Training** (:func:`preload_env`): under activation checkpointing's recompute glibc keeps freed heap mapped
   that it cannot reuse: the PLM-sponsored trial's resident peak was 2.2× what its allocations ever held at
-  once (the baseline's 1.5×). gperftools' tcmalloc (``libtcmalloc_minimal``) keeps it near what is live and
-  runs the baseline's updates faster (README, "The allocator"). An allocator cannot be swapped inside a
-  running process, so the library is preloaded (``LD_PRELOAD``) into the processes that train: the ``nmtcore``
-  command re-executes itself once (:func:`reexec_with_allocator`; training commands only) and a sweep passes
-  it to its trial processes through the Ray runtime environment (``SweepSettings.allocator``).
+  once (the baseline's 1.5×). gperftools' tcmalloc (``libtcmalloc_minimal``) took a third off that trial's
+  peak, left the baseline's as it was and was not slower (README, "The allocator for training"; jemalloc: smaller
+  everywhere, the baseline's updates slower). An allocator cannot be swapped inside a running process, so the
+  library is preloaded (``LD_PRELOAD``) into the processes that train: the ``nmtcore`` command re-executes
+  itself once (:func:`reexec_with_allocator`; training commands only) and a sweep passes it to its Train workers
+  and its baseline task through the Ray runtime environment (``SweepSettings.allocator``).
 
 ``NMTCORE_ALLOCATOR`` (or a sweep's ``--allocator``) chooses: ``auto`` (default: tcmalloc where it is
 installed, else the C library's own), ``tcmalloc``, ``jemalloc``, ``system``, or a library's path. A library
