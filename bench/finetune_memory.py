@@ -24,6 +24,7 @@ a fine-tuned BERT's trial peak <= 2 x the baseline trial's; PLM-sponsored peak <
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -62,11 +63,9 @@ class _LivePeak:
         info = type("mallinfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in fields]})
         self._call = None
         if allocator_in_use() == "system":  # glibc's counters say nothing where another allocator serves malloc
-            try:
+            with contextlib.suppress(OSError, AttributeError):  # not glibc, or glibc < 2.33
                 self._call = ctypes.CDLL("libc.so.6").mallinfo2
                 self._call.restype = info
-            except (OSError, AttributeError):
-                self._call = None
         self.peak: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -29,6 +29,7 @@ import platform
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Mapping
 
 ALLOCATOR_VAR = "NMTCORE_ALLOCATOR"
 CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
@@ -61,10 +62,21 @@ def find_library(name: str) -> str | None:
     return None
 
 
+def allocator_choice(choice: str | None = None) -> str:
+    """``choice`` where given, else ``$NMTCORE_ALLOCATOR``, else ``auto``."""
+    return (choice or os.environ.get(ALLOCATOR_VAR, "")).strip() or "auto"
+
+
+def user_preloads_allocator(env: Mapping[str, str] | None = None) -> bool:
+    """True where ``env`` (default: this process's) preloads an allocator of its own (``LD_PRELOAD`` naming a
+    ``*malloc*`` library: jemalloc, tcmalloc, mimalloc): nmtcore then leaves the allocator alone."""
+    return "malloc" in (os.environ if env is None else env).get("LD_PRELOAD", "")
+
+
 def resolve_allocator(choice: str | None = None) -> str | None:
-    """The library to preload for ``choice`` (default: ``$NMTCORE_ALLOCATOR``, else ``auto``); None = the C
-    library's own malloc. Raises :class:`AllocatorError` for a choice that names something absent."""
-    choice = (os.environ.get(ALLOCATOR_VAR, "") if choice is None else choice).strip() or "auto"
+    """The library to preload for ``choice`` (:func:`allocator_choice`); None = the C library's own malloc.
+    Raises :class:`AllocatorError` for a choice that names something absent."""
+    choice = allocator_choice(choice)
     if choice == "system":
         return None
     if "/" in choice:
@@ -86,16 +98,16 @@ def resolve_allocator(choice: str | None = None) -> str | None:
     return path
 
 
-def preload_env(choice: str | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+def preload_env(choice: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment variables that start a new process on ``choice``'s allocator: ``{"LD_PRELOAD": ...}``,
     or ``{}`` where that is the C library's own or ``env`` (default: this process's) already preloads one."""
-    current = (os.environ if env is None else env).get("LD_PRELOAD", "")
-    if "malloc" in current:
+    env = os.environ if env is None else env
+    if user_preloads_allocator(env):
         return {}  # the user's own allocator wins
     lib = resolve_allocator(choice)
     if lib is None:
         return {}
-    return {"LD_PRELOAD": f"{lib} {current}".strip()}
+    return {"LD_PRELOAD": f"{lib} {env.get('LD_PRELOAD', '')}".strip()}
 
 
 def allocator_in_use() -> str:
@@ -158,7 +170,7 @@ def tune_allocator() -> bool:
     """
     if not on_glibc():
         return False
-    if any(os.environ.get(name) for name in ALLOCATOR_ENV) or "malloc" in os.environ.get("LD_PRELOAD", ""):
+    if any(os.environ.get(name) for name in ALLOCATOR_ENV) or user_preloads_allocator():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -127,6 +127,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
                          "or --name to start another")
     validate_space(space, base, settings.seeds)
     model = space.model or base.model.name
+    worker_env = settings.worker_env()  # the processes that train: the baseline task and the trials' workers
 
     started_ray = not ray_backend.ray_is_running()
     dashboard_url = ray_backend.init_ray(
@@ -142,7 +143,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
-                                                    env=settings.worker_env(), tracking_uri=settings.tracking_uri,
+                                                    env=worker_env, tracking_uri=settings.tracking_uri,
                                                     used_by=settings.name)
             base = base.with_overrides({"train.init_from": str(made.path)})
         tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
@@ -184,7 +185,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
             bert_footprints=footprints, trial_memory_bytes=trial_bytes,
             borrow_idle_cpus=settings.borrow_idle_cpus and workers == 1 and not settings.gpus_per_trial,
-            borrow_check_s=settings.borrow_check_s, worker_env=settings.worker_env())
+            borrow_check_s=settings.borrow_check_s, worker_env=worker_env)
 
         interrupted = True
         report_files: list[str] = []

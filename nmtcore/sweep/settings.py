@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nmtcore.allocator import ALLOCATOR_VAR, AllocatorError, preload_env, resolve_allocator
+from nmtcore.allocator import AllocatorError, allocator_choice, preload_env, resolve_allocator
 from nmtcore.tracking import resolve_tracking_uri
 
 DEFAULT_EXPERIMENT = "nmtcore-sweeps"
@@ -135,7 +135,7 @@ class SweepSettings:
     def worker_env(self) -> dict[str, str]:
         """What the processes that train add to their environment: the allocator's preload. On a joined cluster
         only an explicit choice applies (this machine's libraries say nothing of the nodes')."""
-        choice = (self.allocator or os.environ.get(ALLOCATOR_VAR, "")).strip() or "auto"
+        choice = allocator_choice(self.allocator)
         if self.address and choice == "auto":
             return {}
         return preload_env(choice)  # {} where this process already preloads one (a local cluster's workers inherit it)
