@@ -302,3 +302,23 @@ def test_feature_build_reports_progress(tmp_path: Path, caplog: pytest.LogCaptur
     assert counts and all(m.startswith("BERT features train: sentences ") and m.endswith("/20") for m in counts)
     done = [int(m.split()[-1].split("/")[0]) for m in counts]
     assert done == sorted(done) and done[-1] < 20  # rising; none after the last batch
+
+
+@pytest.mark.parametrize("first", [1, -1])
+def test_stacked_states_are_the_same_from_the_cache_and_per_layer_on_either_layer_axis(first: int) -> None:
+    """A model mixing BERT layers reads them stacked (B, Tb, K, H) or layer-major (B, K, Tb, H); from the cache's
+    packed float16 tensor (converted and transposed in one pass) the values are those of the per-layer states."""
+    from nmtcore.bert.layer import BertOut
+
+    torch.manual_seed(0)
+    packed = torch.randn(3, 5, 4, 8).half()  # (B, Tb, K, H)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    cached = BertOut((0, 1, 2, 3), mask, packed=packed)
+    per_layer = BertOut((0, 1, 2, 3), mask, states=tuple(packed.float().unbind(2)))
+    for dim, want in ((2, packed.float()[:, :, first:]), (1, packed.float()[:, :, first:].transpose(1, 2))):
+        for out in (cached, per_layer):
+            got = out.stack(first, torch.bfloat16, dim=dim)
+            assert got.dtype == torch.bfloat16 and got.is_contiguous() and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="layer axis"):
+        cached.stack(1, dim=3)

@@ -74,27 +74,27 @@ def test_joint_attention_is_one_softmax_over_concatenated_keys(causal):
 
 def test_glu_at_init_is_half_the_last_layer_and_phase_one_doubles_it():
     torch.manual_seed(0)
-    states = torch.randn(2, 4, 3, 8)  # (B, M, L_B, H)
+    states = torch.randn(2, 3, 4, 8)  # (B, L_B, M, H)
     glu = LayerGLU(3, gated=True)
-    torch.testing.assert_close(glu(states), states[:, :, -1] / 2, rtol=0, atol=0)  # Eq. 8 + 11: B = B_L / 2
-    assert torch.equal(LayerGLU(3, gated=False)(states), states[:, :, -1])  # M1: B = B_L
+    torch.testing.assert_close(glu(states), states[:, -1] / 2, rtol=0, atol=0)  # Eq. 8 + 11: B = B_L / 2
+    assert torch.equal(LayerGLU(3, gated=False)(states), states[:, -1])  # M1: B = B_L
     model = jam()
-    all_states = torch.randn(2, 4, model.bert.num_layers, model.bert.hidden_size)
+    all_states = torch.randn(2, model.bert.num_layers, 4, model.bert.hidden_size)
     layer = model.encoder_layers[0]
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, :, -1] / 2, rtol=0, atol=0)
+    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1] / 2, rtol=0, atol=0)
     warmup = model.default_phases()[0]
     assert warmup.name == "warmup" and warmup.glu_scale == 2.0
     model.set_phase(warmup)
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, :, -1], rtol=0, atol=0)
+    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1], rtol=0, atol=0)
     model.set_phase(model.default_phases()[1])
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, :, -1] / 2, rtol=0, atol=0)
+    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1] / 2, rtol=0, atol=0)
 
 
 def by_hand_glu(glu: LayerGLU, states):
-    """Eq. 8 element by element: B = σ(Σ_i β_i B_i) ⊙ Σ_i α_i B_i over the layer axis of states (B, M, L, H)."""
+    """Eq. 8 element by element: B = σ(Σ_i β_i B_i) ⊙ Σ_i α_i B_i over the layer axis of states (B, L, M, H)."""
     alpha, beta = glu.alpha.tolist(), glu.beta.tolist()
-    mix = sum(a * states[:, :, i] for i, a in enumerate(alpha))
-    gate = 1.0 / (1.0 + torch.exp(-sum(b * states[:, :, i] for i, b in enumerate(beta))))
+    mix = sum(a * states[:, i] for i, a in enumerate(alpha))
+    gate = 1.0 / (1.0 + torch.exp(-sum(b * states[:, i] for i, b in enumerate(beta))))
     return gate * mix
 
 
@@ -109,7 +109,7 @@ def test_glu_keeps_only_the_shared_states_for_backward_and_gives_eq_8s_gradients
         glu.alpha.copy_(torch.randn(4))
         if gated:
             glu.beta.copy_(torch.randn(4))
-    states = torch.randn(3, 5, 4, 16, dtype=torch.float64, requires_grad=True)  # (B, M, L_B, H)
+    states = torch.randn(3, 4, 5, 16, dtype=torch.float64, requires_grad=True)  # (B, L_B, M, H)
     glu.double()
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -125,14 +125,14 @@ def test_glu_keeps_only_the_shared_states_for_backward_and_gives_eq_8s_gradients
     if gated:
         expected = by_hand_glu(glu, states)
     else:
-        expected = sum(a * states[:, :, i] for i, a in enumerate(glu.alpha.unbind(0)))
+        expected = sum(a * states[:, i] for i, a in enumerate(glu.alpha.unbind(0)))
     torch.testing.assert_close(out, expected.detach())
     (expected * weight).sum().backward()
     if gated:  # by_hand_glu reads α, β as floats: their gradients by autograd through the einsum-free form
         torch.testing.assert_close(got["states"], states.grad)
         a, b = glu.alpha.detach().clone().requires_grad_(), glu.beta.detach().clone().requires_grad_()
-        mix = sum(a[i] * states.detach()[:, :, i] for i in range(4))
-        gate = torch.sigmoid(sum(b[i] * states.detach()[:, :, i] for i in range(4)))
+        mix = sum(a[i] * states.detach()[:, i] for i in range(4))
+        gate = torch.sigmoid(sum(b[i] * states.detach()[:, i] for i in range(4)))
         (gate * mix * weight).sum().backward()
         torch.testing.assert_close(got["alpha"], a.grad)
         torch.testing.assert_close(got["beta"], b.grad)
@@ -166,10 +166,10 @@ def test_glu_is_eq_8_after_training_steps_and_trains_in_phase_2_only(small_batch
     assert not torch.equal(model.src_embed.weight, nmt_before)  # the NMT model trained
     for g, (a0, b0) in zip(glus, init):
         assert torch.equal(g.alpha, a0) and torch.equal(g.beta, b0)  # GLU frozen in phase 1
-    states = torch.stack(model.bert(batch).states[1:], dim=2)  # (B, M, L, H)
+    states = torch.stack(model.bert(batch).states[1:], dim=1)  # (B, L, M, H)
     layer = model.encoder_layers[0]
     with torch.no_grad():
-        torch.testing.assert_close(model.compose(layer, states), states[:, :, -1], rtol=0, atol=0)  # 2 · B_L / 2
+        torch.testing.assert_close(model.compose(layer, states), states[:, -1], rtol=0, atol=0)  # 2 · B_L / 2
 
     apply_phase(model, glu_phase)
     for _ in range(3):
@@ -180,7 +180,7 @@ def test_glu_is_eq_8_after_training_steps_and_trains_in_phase_2_only(small_batch
         for layer in [*model.encoder_layers, *model.decoder_layers]:
             got = model.compose(layer, states)
             torch.testing.assert_close(got, by_hand_glu(layer.glu, states), rtol=1e-5, atol=1e-6)  # Eq. 8, scale 1
-            assert not torch.allclose(got, states[:, :, -1] / 2)  # no longer the init's B_L / 2
+            assert not torch.allclose(got, states[:, -1] / 2)  # no longer the init's B_L / 2
 
 
 def test_glu_scale_travels_with_the_checkpoint():

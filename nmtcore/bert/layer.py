@@ -70,12 +70,19 @@ class BertOut:
             return self.packed[:, :, -1].float()
         return self.states[-1]
 
-    def stack(self, first: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
+    def stack(self, first: int = 0, dtype: torch.dtype = torch.float32, dim: int = 2) -> Tensor:
         """States ``first:`` (Python slicing: ``-1`` is the last alone) stacked on a layer axis, in ``dtype``:
-        (B, Tb, K', H)."""
-        if self._states is None:
-            return self.packed[:, :, first:].to(dtype)
-        return torch.stack(self._states[first:], dim=2).to(dtype)
+        (B, Tb, K', H) with ``dim=2``; (B, K', Tb, H) with ``dim=1``, where each layer's states of a sentence are
+        one contiguous block, so that a weighted sum over layers is one matrix product that reads them in place."""
+        if dim not in (1, 2):
+            raise ValueError(f"BertOut.stack: the layer axis is 1 or 2, got {dim}")
+        if self._states is not None:
+            return torch.stack(self._states[first:], dim=dim).to(dtype)
+        src = self.packed[:, :, first:]  # (B, Tb, K', H) float16
+        if dim == 2:
+            return src.to(dtype)
+        out = torch.empty(src.size(0), src.size(2), src.size(1), src.size(3), dtype=dtype, device=src.device)
+        return out.copy_(src.transpose(1, 2))  # converted and transposed in one pass
 
 
 def encoder_layers(hf_model: nn.Module) -> nn.ModuleList:

@@ -121,17 +121,19 @@ class LayerGLU(nn.Module):
         checkpoint_layers([self])
 
     def forward(self, states: Tensor) -> Tensor:
-        """states (B, M, L_B, H) → (B, M, H). Σ α_i B_i and Σ β_i B_i come from one pass over the states.
+        """states (B, L_B, M, H), layer-major per sentence (:meth:`BertOut.stack` with ``dim=1``) → (B, M, H).
+        Σ α_i B_i and Σ β_i B_i are one matrix product, (2, L_B) × (L_B, M·H) per sentence, over the states in
+        place: no permuted copy of them per layer (the layout (B, M, L_B, H) cost one per GLU, twelve a step).
 
         Recomputed in the backward pass while its weights train (:func:`~nmtcore.nn.checkpointing.checkpoint_layers`,
-        set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, where the einsum would keep its
-        own permuted copy of all L_B layers' states per GLU — six such copies were 29% of BERT-JAM's activations
-        while BERT is fine-tuned (measured on Multi30k's largest batch); the recomputation is ~1% of a step.
+        set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, not each GLU's mix and gate.
         """
+        b, n_layers, m, h = states.shape
+        flat = states.reshape(b, n_layers, m * h)  # (B, L_B, M·H), a view of the stacked states
         if self.beta is None:
-            return torch.einsum("bmlh,l->bmh", states, self.alpha)  # Σ α_i B_i
-        mix, pre_gate = torch.einsum("bmlh,lk->kbmh", states, torch.stack([self.alpha, self.beta], dim=1))
-        return torch.sigmoid(pre_gate) * mix  # Eq. 8: g = σ(Σ β_i B_i), B = g ⊙ Σ α_i B_i
+            return torch.matmul(self.alpha, flat).view(b, m, h)  # Σ α_i B_i
+        mix, pre_gate = torch.matmul(torch.stack([self.alpha, self.beta]), flat).unbind(1)  # 2 × (B, M·H)
+        return (torch.sigmoid(pre_gate) * mix).view(b, m, h)  # Eq. 8: g = σ(Σ β_i B_i), B = g ⊙ Σ α_i B_i
 
 
 # ---------------------------------------------------------------------- layers
@@ -231,13 +233,13 @@ class BertJam(Transformer):
     def compose(self, layer: nn.Module, states: Tensor) -> Tensor:
         """The BERT memory of one layer: its GLU over B_1..B_L (× glu_scale), or B_L (M2). (B, M, H)"""
         if layer.glu is None:
-            return states[:, :, -1]
+            return states[:, -1]
         return layer.glu(states) * self.glu_scale
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
         offset = state.step if state is not None else 0
         x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
-        states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, M, L, H), (B, M)
+        states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, L, M, H), (B, M)
         for i, layer in enumerate(self.decoder_layers):
             caches = (state.layers[2 * i], state.layers[2 * i + 1]) if state is not None else None
             cached = caches is not None and "bert" in caches[0].static
@@ -248,11 +250,12 @@ class BertJam(Transformer):
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
         bert_out = self.bert(batch)
-        # BERT(X) = (B_1, ..., B_L): the embeddings (hidden state 0) are not a layer. Stacked once, in the
-        # autocast dtype where there is one: autocast would otherwise cast the states for each layer's GLU
-        # einsum (6 layers × 2, 9M values each at Multi30k's batch size: a quarter of a bf16 training step).
+        # BERT(X) = (B_1, ..., B_L): the embeddings (hidden state 0) are not a layer. Stacked once, layer-major
+        # per sentence (each GLU reads them in place) and in the autocast dtype where there is one: autocast
+        # would otherwise cast the states for each layer's GLU (6 layers × 2, 9M values each at Multi30k's
+        # batch size: a quarter of a bf16 training step). Batch first, as beam search reorders extras.
         first = 1 if self.cfg.bert_layers == "all" else -1
-        states = bert_out.stack(first, compute_dtype(batch.src.device))  # (B, M, L, H)
+        states = bert_out.stack(first, compute_dtype(batch.src.device), dim=1)  # (B, L, M, H)
         x = self.embed(batch.src, self.src_embed)  # (B, S, C)
         for layer in self.encoder_layers:
             x = layer(x, batch.src_mask, self.compose(layer, states), bert_out.mask)  # Eq. 9
