@@ -7,7 +7,7 @@ Every figure is printed as a ``RESULT {json}`` line (and appended to ``--out``),
 the bare model measured in the same run. The models are the studies' (``multi30k_small`` preset: 3+3 layers,
 d 256, Multi30k En->De, 4,096-token batches); BERT arms read ``minilm`` as their studies do.
 
-  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile,profile]
+  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile,profile,translate]
                       [--out F]
   python bench/gpu.py --device cpu --smoke-test     # every section on the CPU with a few steps (checks the script)
 """
@@ -349,6 +349,38 @@ def sec_decode() -> None:
         trainer = None
 
 
+def sec_translate() -> None:
+    """A model that translates: the baseline trained on the device for ``--translate-epochs`` epochs (bf16 where
+    the device has it, the preset's schedule otherwise), then test_2016_flickr decoded with the studies' decode
+    settings, beam 5 and greedy: BLEU and sentences/s (the decode section times untrained weights at a fixed
+    output length; this one the lengths a trained model chooses)."""
+    from nmtcore.bleu import corpus_bleu
+
+    precision = low("bf16")
+    cfg = base_cfg(**{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs, "train.patience": 0,
+                      "output_dir": str(Path(ARGS.scratch) / "translate")})
+    trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
+    fit = trainer.fit()
+    last = trainer.state.history[-1]
+    result("translate", stage="train", precision=precision, epochs=fit.epochs, updates=fit.num_updates,
+           fit_wall_s=round(fit.fit_wall_s, 1), train_tok_s=round(last["train_tokens_per_s"]),
+           valid_loss=round(last["valid_loss"], 3), valid_greedy_bleu=round(last.get("valid_bleu", float("nan")), 2))
+    split = trainer.data.splits["test_2016_flickr"]
+    for beam in (5, 1):
+        dcfg = DecodeConfig(**{**cfg.decode.__dict__, "beam": beam})
+        translate_split(trainer.model, split.select(range(64)), trainer.data.vocab, dcfg, ARGS.device)
+        sync()
+        reset_peak()
+        t0 = time.perf_counter()
+        hyps = trainer.translate(split, dcfg)
+        sync()
+        s = time.perf_counter() - t0
+        result("translate", stage="decode", beam=beam, lenpen=dcfg.lenpen, max_len=f"{dcfg.max_len_a}x+{dcfg.max_len_b}",
+               max_sentences=dcfg.sentences_per_batch(ARGS.device), sentences=len(hyps),
+               sent_per_s=round(len(hyps) / s, 1), bleu=round(corpus_bleu(hyps, split.raw_tgt).score, 2),
+               mean_hyp_words=round(float(np.mean([len(h.split()) for h in hyps])), 1), peak_gib=round(peak_gib(), 2))
+
+
 def sec_bert() -> None:
     """Training step time and peak GPU memory of the BERT arms (as their studies train them) against the baseline."""
     plm = {**FINETUNE_CASES["plm_sponsored"], **PLM_TGT}
@@ -375,7 +407,8 @@ def sec_bert() -> None:
 
 
 SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert,
-            "decode": sec_decode, "trials": sec_trials, "compile": sec_compile, "profile": sec_profile}
+            "decode": sec_decode, "trials": sec_trials, "compile": sec_compile, "profile": sec_profile,
+            "translate": sec_translate}
 
 
 def main() -> int:
@@ -391,6 +424,7 @@ def main() -> int:
     p.add_argument("--sentences", type=int, default=1000)
     p.add_argument("--bert-precisions", default="bf16", help="precisions of the bert section (e.g. fp32,bf16)")
     p.add_argument("--compile-max-tokens", default="4096,16384", help="batch sizes of the compile section")
+    p.add_argument("--translate-epochs", type=int, default=30, help="the translate section's training")
     p.add_argument("--out", default="")
     p.add_argument("--scratch", default="bench/out/gpu")
     p.add_argument("--smoke-test", action="store_true", help="a few steps of every section")
@@ -401,6 +435,7 @@ def main() -> int:
     ARGS.trials = [int(k) for k in str(ARGS.trials).split(",")]
     if ARGS.smoke_test:
         ARGS.steps, ARGS.warmup, ARGS.seconds, ARGS.sentences, ARGS.trials = 2, 1, 1.0, 70, [1, 2]
+        ARGS.translate_epochs = 1
     if ARGS.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu --smoke-test to check the script)")
     if ARGS.worker:
