@@ -123,7 +123,7 @@ class LayerGLU(nn.Module):
     def forward(self, states: Tensor) -> Tensor:
         """states (B, L_B, M, H), layer-major per sentence (:meth:`BertOut.stack` with ``dim=1``) → (B, M, H).
         Σ α_i B_i and Σ β_i B_i are one matrix product, (2, L_B) × (L_B, M·H) per sentence, over the states in
-        place: no permuted copy of them per layer (the layout (B, M, L_B, H) cost one per GLU, twelve a step).
+        place: no permuted copy of them per GLU (the einsum over (B, M, L_B, H) made one per call, six a step at 3+3).
 
         Recomputed in the backward pass while its weights train (:func:`~nmtcore.nn.checkpointing.checkpoint_layers`,
         set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, not each GLU's mix and gate.
