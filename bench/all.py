@@ -9,7 +9,8 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
 - ``vs_fairseq``: the same model trained on the same batches (``bench/vs_fairseq.py``, ``precision=auto``), its
   ratios to the peer: training tokens/s, and with ``--quality`` BLEU after 500 updates and beam-5 / greedy
   sentences/s.
-- ``bert_cache``: each BERT-consuming model's cached epoch against the baseline's (``--max-updates`` updates).
+- ``bert_cache``: each BERT-consuming model's cached updates against the baseline's, in one process, alternating
+  blocks of 5 updates on the same batches (``--cache-rounds`` blocks each way).
 - ``decode_speed``: PLM-sponsored beam-5 sentences/s against the baseline's.
 - ``finetune_memory``: peak memory of the fine-tuned BERT trials against the baseline trial's.
 - ``sweep_overhead``: one trial run directly and as a one-trial sweep (2 threads, ``--sweep-updates`` updates).
@@ -75,7 +76,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
         "vs_fairseq": ([py, str(BENCH / "vs_fairseq.py"), "--data-dir", data, "--thr-updates", str(args.thr_updates),
                         "--peer-log", peer_log, *quality], {}),
         "bert_cache": ([py, str(BENCH / "bert_cache.py"), "--data-dir", data, "--model", "all", "--threads",
-                        str(args.threads), "--max-updates", str(args.cache_updates)], {}),
+                        str(args.threads), "--block", "5", "--rounds", str(args.cache_rounds)], {}),
         "decode_speed": ([py, str(BENCH / "decode_speed.py"), "--data-dir", data, "--threads", str(args.threads),
                           "--sentences", str(args.decode_sentences)], {}),
         "finetune_memory": ([py, str(BENCH / "finetune_memory.py"), "--data-dir", data, "--threads",
@@ -158,7 +159,7 @@ def main() -> int:
                    help="also the 500-update runs that translate (BLEU, decoding vs fairseq): ~45 more minutes")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--thr-updates", type=int, default=100)
-    p.add_argument("--cache-updates", type=int, default=30)
+    p.add_argument("--cache-rounds", type=int, default=8, help="bert_cache: blocks of 5 updates each way")
     p.add_argument("--decode-sentences", type=int, default=500)
     p.add_argument("--memory-updates", type=int, default=20)
     p.add_argument("--sweep-updates", type=int, default=100, help="the swept trial's updates (>= 2 minutes)")
