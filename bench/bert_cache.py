@@ -132,7 +132,7 @@ def interleaved(base, data, names: list[str], bert: str, block: int, rounds: int
                 sums[key][1] += tokens
             ratios.append(per[name] / per["baseline"])
         total = (sums[name][0] / sums[name][1]) / (sums["baseline"][0] / sums["baseline"][1])
-        results.append(f"RESULT {name}: cached/baseline={total:.3f} (bar <= 1.3) interleaved, {rounds} blocks of "
+        results.append(f"RESULT {name}: cached/baseline={total:.3f} (bar <= 1.3) interleaved, {rounds} block{'s' * (rounds != 1)} of "
                        f"{block} updates each way; per block median {statistics.median(ratios):.3f}, range "
                        f"{min(ratios):.3f}-{max(ratios):.3f}; baseline {sums['baseline'][1] / sums['baseline'][0]:.0f}"
                        f" tgt tok/s, {name} {sums[name][1] / sums[name][0]:.0f}; matmul work per target token "
