@@ -52,7 +52,10 @@ def test_a_tuned_process_reuses_freed_large_blocks_instead_of_faulting_in_fresh_
     assert tuned and not untuned
     pages = 20 * (64 << 20) // 4096  # what 20 fresh 64 MiB mappings fault in (4 KiB pages)
     assert default_faults > pages // 2, default_faults  # glibc as is: every block is new memory
-    assert tuned_faults < pages // 20, tuned_faults  # tuned: the heap hands back the block it kept
+    # Tuned: the heap hands back the block it kept. Now and then one of the 20 is a fresh block (the heap's top
+    # taken by another allocation): 16384 faults in 2 of 12 runs on a 2-core Intel machine (2026-11-28), 0 in
+    # the others; four blocks' worth still tells this apart from the untuned twenty.
+    assert tuned_faults < pages // 5, tuned_faults
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
