@@ -92,50 +92,48 @@ def interleaved(base, data, names: list[str], bert: str, block: int, rounds: int
     for name in names:  # each on its own data: a trainer attaches its BERT stream (and cache) to the splits
         trainers[name] = build_trainer(base.with_overrides({**MODELS[name][1], "model.bert.name": bert}),
                                        prepare_data(base.data), device=torch.device("cpu"))
-    epochs = {k: 0 for k in trainers}
 
-    def fresh(key: str):
-        epochs[key] += 1
-        return trainers[key].train_batches(epochs[key])
+    def stream(key: str, epoch: int):
+        """Trainer ``key``'s batches from the start of ``epoch`` on, one epoch after another (same epoch, same
+        shuffle: every arm's batches are the baseline's)."""
+        while True:
+            yield from trainers[key].train_batches(epoch)
+            epoch += 1
 
-    def run(key: str, it, n: int) -> tuple[float, int, object]:
-        """``n`` updates of trainer ``key`` from ``it`` (batch collation included, as in an epoch): seconds,
-        target tokens, and the iterator to go on with (a new epoch's when this one ran out)."""
+    def run(key: str, it, n: int) -> tuple[float, int]:
+        """``n`` updates of trainer ``key`` from ``it``, batch collation included as in an epoch: seconds, target
+        tokens."""
         tr, tokens, t0 = trainers[key], 0, time.perf_counter()
         for _ in range(n):
-            batch = next(it, None)
-            if batch is None:
-                it = fresh(key)
-                batch = next(it)
-            tokens += tr.train_step([batch])["n_tokens"]
-        return time.perf_counter() - t0, tokens, it
+            tokens += tr.train_step([next(it)])["n_tokens"]
+        return time.perf_counter() - t0, tokens
 
     for key in trainers:  # untimed: each trainer's one-time costs (kernels, the allocator's first pages)
-        run(key, fresh(key), 3)
-    work = {}  # matrix-multiply FLOPs of an update (forward and backward) per target token, on an epoch's 1st batch
+        run(key, stream(key, 1), 3)
+    work = {}  # matrix-multiply FLOPs of an update (forward and backward) per target token, on epoch 1's 1st batch
     for key, tr in trainers.items():
-        batch = next(fresh(key))
         with FlopCounterMode(display=False) as counter:
-            tokens = tr.train_step([batch])["n_tokens"]
+            tokens = tr.train_step([next(stream(key, 1))])["n_tokens"]
         work[key] = counter.get_total_flops() / tokens
     results = []
     for name in names:
-        its = {"baseline": fresh("baseline"), name: fresh(name)}  # both from the same epoch's first batch
+        its = {"baseline": stream("baseline", 2), name: stream(name, 2)}  # the same batches, in the same order
         sums = {"baseline": [0.0, 0], name: [0.0, 0]}
         ratios = []
         for r in range(rounds):
             per = {}
             for key in (("baseline", name) if r % 2 == 0 else (name, "baseline")):
-                secs, tokens, its[key] = run(key, its[key], block)
+                secs, tokens = run(key, its[key], block)
                 per[key] = secs / tokens
                 sums[key][0] += secs
                 sums[key][1] += tokens
             ratios.append(per[name] / per["baseline"])
         total = (sums[name][0] / sums[name][1]) / (sums["baseline"][0] / sums["baseline"][1])
-        results.append(f"RESULT {name}: cached/baseline={total:.3f} (bar <= 1.3) interleaved, {rounds} block{'s' * (rounds != 1)} of "
-                       f"{block} updates each way; per block median {statistics.median(ratios):.3f}, range "
-                       f"{min(ratios):.3f}-{max(ratios):.3f}; baseline {sums['baseline'][1] / sums['baseline'][0]:.0f}"
-                       f" tgt tok/s, {name} {sums[name][1] / sums[name][0]:.0f}; matmul work per target token "
+        results.append(f"RESULT {name}: cached/baseline={total:.3f} (bar <= 1.3) interleaved, {rounds} "
+                       f"block{'s' * (rounds != 1)} of {block} updates each way; per block median "
+                       f"{statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}; baseline "
+                       f"{sums['baseline'][1] / sums['baseline'][0]:.0f} tgt tok/s, {name} "
+                       f"{sums[name][1] / sums[name][0]:.0f}; matmul work per target token "
                        f"{work[name] / work['baseline']:.2f}x the baseline's ({work[name] / 1e6:.0f} / "
                        f"{work['baseline'] / 1e6:.0f} MFLOP); loadavg={os.getloadavg()[0]:.1f}")
         print(results[-1], flush=True)
