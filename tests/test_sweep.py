@@ -323,7 +323,8 @@ def test_a_lone_trial_borrows_the_idle_cpu_and_a_full_wave_does_not(ray_cluster,
     """In a real sweep on the 2-CPU test cluster: one trial alone trains on 2 threads once the idle CPU has
     been seen twice; its run records it (nmtcore.max_threads). Off with --no-borrow-idle-cpus."""
     space = SearchSpace("lone", "tiny", "transformer", params={"model.d_model": grid((32,))})
-    base = tiny_base(tmp_path, **{"train.log_interval": 1, "train.max_epochs": 3})
+    # One epoch of ~100 updates logged every 10: the trial looks at the node at its start and at every log.
+    base = tiny_base(tmp_path, **{"train.max_epochs": 1})
     driver.run_sweep(space, base, tiny_settings(tmp_path, "lone", store, borrow_check_s=0.0), log_to_driver=False)
     (child,) = runs_of("lone", store)[1]
     assert child.tags["nmtcore.max_threads"] == "2"
