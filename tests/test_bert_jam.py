@@ -81,13 +81,13 @@ def test_glu_at_init_is_half_the_last_layer_and_phase_one_doubles_it():
     model = jam()
     all_states = torch.randn(2, model.bert.num_layers, 4, model.bert.hidden_size)
     layer = model.encoder_layers[0]
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1] / 2, rtol=0, atol=0)
+    torch.testing.assert_close(model.compose([layer], all_states)[0], all_states[:, -1] / 2, rtol=0, atol=0)
     warmup = model.default_phases()[0]
     assert warmup.name == "warmup" and warmup.glu_scale == 2.0
     model.set_phase(warmup)
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1], rtol=0, atol=0)
+    torch.testing.assert_close(model.compose([layer], all_states)[0], all_states[:, -1], rtol=0, atol=0)
     model.set_phase(model.default_phases()[1])
-    torch.testing.assert_close(model.compose(layer, all_states), all_states[:, -1] / 2, rtol=0, atol=0)
+    torch.testing.assert_close(model.compose([layer], all_states)[0], all_states[:, -1] / 2, rtol=0, atol=0)
 
 
 def by_hand_glu(glu: LayerGLU, states):
@@ -169,7 +169,7 @@ def test_glu_is_eq_8_after_training_steps_and_trains_in_phase_2_only(small_batch
     states = torch.stack(model.bert(batch).states[1:], dim=1)  # (B, L, M, H)
     layer = model.encoder_layers[0]
     with torch.no_grad():
-        torch.testing.assert_close(model.compose(layer, states), states[:, -1], rtol=0, atol=0)  # 2 · B_L / 2
+        torch.testing.assert_close(model.compose([layer], states)[0], states[:, -1], rtol=0, atol=0)  # 2 · B_L / 2
 
     apply_phase(model, glu_phase)
     for _ in range(3):
@@ -178,9 +178,12 @@ def test_glu_is_eq_8_after_training_steps_and_trains_in_phase_2_only(small_batch
         assert not torch.equal(g.alpha, a0) and g.beta.abs().sum() > 0  # trained: off the Eq. 11 init
     with torch.no_grad():
         for layer in [*model.encoder_layers, *model.decoder_layers]:
-            got = model.compose(layer, states)
+            got = model.compose([layer], states)[0]
             torch.testing.assert_close(got, by_hand_glu(layer.glu, states), rtol=1e-5, atol=1e-6)  # Eq. 8, scale 1
             assert not torch.allclose(got, states[:, -1] / 2)  # no longer the init's B_L / 2
+        layers = [*model.encoder_layers, *model.decoder_layers]  # one product for all of them (no GLU trains)
+        for layer, got in zip(layers, model.compose(layers, states)):
+            torch.testing.assert_close(got, by_hand_glu(layer.glu, states), rtol=1e-5, atol=1e-6)
 
 
 def test_glu_scale_travels_with_the_checkpoint():
@@ -258,7 +261,7 @@ def test_decoder_drop_net_in_train_mode_and_the_eq_10_average_in_eval(small_batc
         enc = model.encode(batch)
         layer = model.decoder_layers[0]
         x = model.embed(batch.tgt_in, model.tgt_embed)
-        bert = model.compose(layer, enc.extras["bert_states"])
+        bert = model.compose([layer], enc.extras["bert_states"])[0]
         bert_mask = enc.extras["bert_mask"]
         average = by_hand_decoder_layer(layer, x, enc, bert, bert_mask, (0.5, 0.5))
         first = by_hand_decoder_layer(layer, x, enc, bert, bert_mask, (1.0, 0.0))

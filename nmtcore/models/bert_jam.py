@@ -120,20 +120,39 @@ class LayerGLU(nn.Module):
         self.beta = nn.Parameter(torch.zeros(num_bert_layers)) if gated else None
         checkpoint_layers([self])
 
-    def forward(self, states: Tensor) -> Tensor:
-        """states (B, L_B, M, H), layer-major per sentence (:meth:`BertOut.stack` with ``dim=1``) → (B, M, H).
-        Σ α_i B_i and Σ β_i B_i are one matrix product, (2, L_B) × (L_B, M·H) per sentence, over the states in
-        place: no permuted copy of them per GLU (the einsum over (B, M, L_B, H) made one per call, six a step at 3+3).
+    def forward(self, states: Tensor, scale: Tensor | float = 1.0) -> Tensor:
+        """states (B, L_B, M, H), layer-major per sentence (:meth:`BertOut.stack` with ``dim=1``) → (B, M, H),
+        times ``scale`` (the phase's GLU factor, folded into α). Σ α_i B_i and Σ β_i B_i are one matrix product,
+        (2, L_B) × (L_B, M·H) per sentence, over the states in place: no permuted copy of them per GLU (the
+        einsum over (B, M, L_B, H) made one per call, six a step at 3+3).
 
         Recomputed in the backward pass while its weights train (:func:`~nmtcore.nn.checkpointing.checkpoint_layers`,
         set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, not each GLU's mix and gate.
         """
-        b, n_layers, m, h = states.shape
-        flat = states.reshape(b, n_layers, m * h)  # (B, L_B, M·H), a view of the stacked states
-        if self.beta is None:
-            return torch.matmul(self.alpha, flat).view(b, m, h)  # Σ α_i B_i
-        mix, pre_gate = torch.matmul(torch.stack([self.alpha, self.beta]), flat).unbind(1)  # 2 × (B, M·H)
-        return (torch.sigmoid(pre_gate) * mix).view(b, m, h)  # Eq. 8: g = σ(Σ β_i B_i), B = g ⊙ Σ α_i B_i
+        return mix_layers([self], states, scale)[0]
+
+    def weights(self, scale: Tensor | float = 1.0) -> Tensor:
+        """The rows this GLU takes of the states: ``[α·scale, β]`` (gated) or ``[α·scale]``. (1 or 2, L_B)"""
+        alpha = self.alpha * scale
+        return alpha[None] if self.beta is None else torch.stack([alpha, self.beta])
+
+
+def mix_layers(glus: list[LayerGLU], states: Tensor, scale: Tensor | float = 1.0) -> list[Tensor]:
+    """Each of ``glus`` over the same states (B, L_B, M, H) → one (B, M, H) per GLU, from one matrix product of
+    all their rows: the states, read once, not once per layer (6 GLUs at 3+3, each reading all L_B layers: 2%
+    of a BERT-JAM phase-1 step on the CPU). ``scale`` multiplies α, never the (B, M, H) outputs."""
+    b, n_layers, m, h = states.shape
+    w = torch.cat([g.weights(scale) for g in glus])  # (R, L_B)
+    rows = torch.matmul(w, states.reshape(b, n_layers, m * h))  # (B, R, M·H), the stacked states as a view
+    out, i = [], 0
+    for g in glus:
+        if g.beta is None:  # M1: B = Σ α_i B_i
+            out.append(rows[:, i].view(b, m, h))
+            i += 1
+        else:  # Eq. 8: g = σ(Σ β_i B_i), B = g ⊙ Σ α_i B_i
+            out.append((torch.sigmoid(rows[:, i + 1]) * rows[:, i]).view(b, m, h))
+            i += 2
+    return out
 
 
 # ---------------------------------------------------------------------- layers
@@ -230,20 +249,26 @@ class BertJam(Transformer):
         self.glu_scale.fill_(phase.glu_scale)
 
     # ------------------------------------------------------------------ pieces
-    def compose(self, layer: nn.Module, states: Tensor) -> Tensor:
-        """The BERT memory of one layer: its GLU over B_1..B_L (× glu_scale), or B_L (M2). (B, M, H)"""
-        if layer.glu is None:
-            return states[:, -1]
-        return layer.glu(states) * self.glu_scale
+    def compose(self, layers: list[nn.Module], states: Tensor) -> list[Tensor]:
+        """The BERT memory of each of ``layers``: its GLU over B_1..B_L (× glu_scale), or B_L (M2). (B, M, H) each.
+
+        While a GLU trains, each layer's is its own (checkpointed) product; otherwise (phase 1, validation,
+        decoding) one product serves them all (:func:`mix_layers`)."""
+        if self.cfg.bert_layers != "all":
+            return [states[:, -1]] * len(layers)
+        glus = [layer.glu for layer in layers]
+        if torch.is_grad_enabled() and any(p.requires_grad for g in glus for p in g.parameters()):
+            return [g(states, self.glu_scale) for g in glus]
+        return mix_layers(glus, states, self.glu_scale)
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
         offset = state.step if state is not None else 0
         x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
         states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, L, M, H), (B, M)
-        for i, layer in enumerate(self.decoder_layers):
+        cached = state is not None and "bert" in state.layers[0].static
+        berts = [None] * len(self.decoder_layers) if cached else self.compose(self.decoder_layers, states)
+        for i, (layer, bert) in enumerate(zip(self.decoder_layers, berts)):  # B^{D,i}: composed once per sentence
             caches = (state.layers[2 * i], state.layers[2 * i + 1]) if state is not None else None
-            cached = caches is not None and "bert" in caches[0].static
-            bert = None if cached else self.compose(layer, states)  # B^{D,i}: composed once per sentence
             x = layer(x, enc_out.out, enc_out.mask, bert, bert_mask, self.dec_drop_net.weights(), caches)
         return self.decoder_norm(x)
 
@@ -257,8 +282,8 @@ class BertJam(Transformer):
         first = 1 if self.cfg.bert_layers == "all" else -1
         states = bert_out.stack(first, compute_dtype(batch.src.device), dim=1)  # (B, L, M, H)
         x = self.embed(batch.src, self.src_embed)  # (B, S, C)
-        for layer in self.encoder_layers:
-            x = layer(x, batch.src_mask, self.compose(layer, states), bert_out.mask)  # Eq. 9
+        for layer, bert in zip(self.encoder_layers, self.compose(self.encoder_layers, states)):
+            x = layer(x, batch.src_mask, bert, bert_out.mask)  # Eq. 9
         return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask,
                           extras={"bert_states": states, "bert_mask": bert_out.mask})
 

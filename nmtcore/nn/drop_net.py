@@ -53,4 +53,7 @@ def combine(first: Callable[[], Tensor], second: Callable[[], Tensor], w: tuple[
         return first()
     if w[0] == 0.0:
         return second()
-    return w[0] * first() + w[1] * second()
+    a, b = first(), second()
+    if w[0] == w[1]:  # Eq. 1's average, in two passes over the outputs (the weighted sum's three)
+        return (a + b).mul_(w[0])
+    return torch.add(a * w[0], b, alpha=w[1])

@@ -128,10 +128,12 @@ def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], d
         s = (q @ k.transpose(-1, -2)).float() * scale  # (B, H, Tq, Tk_i)
         scores.append(s if mask is None else s.masked_fill(~mask, float("-inf")))
     probs = dropout(torch.softmax(torch.cat(scores, dim=-1), dim=-1), dropout_p, True)  # (B, H, Tq, ΣTk)
-    out, start = None, 0
-    for k, v, _ in parts:
-        y = probs[..., start : start + k.size(2)].to(v.dtype) @ v  # (B, H, Tq, Dh)
-        out, start = (y if out is None else out + y), start + k.size(2)
+    # split, not slices: its backward joins the parts' gradients in one cat, where each slice's filled a
+    # zeroed copy of the whole probabilities and summed them.
+    out = None
+    for p, (_, v, _) in zip(probs.split([k.size(2) for k, _, _ in parts], dim=-1), parts):
+        y = p.to(v.dtype) @ v  # (B, H, Tq, Dh)
+        out = y if out is None else out + y
     return out
 
 
