@@ -8,8 +8,8 @@ BERT layers, and a three-phase optimisation schedule.
   multi-head attention here (the paper writes √d_model for its single-head description).
 - **GLU** (Eq. 8, :class:`LayerGLU`), one per encoder and decoder layer: ``B = g ⊙ Σ α_i B_i``,
   ``g = σ(Σ β_i B_i)`` over BERT layers 1..L_B, initialised ``α_L = 1``, others 0, ``β = 0`` (Eq. 11) so
-  ``B = B_L / 2`` at init; the model multiplies the GLU output by ``glu_scale`` (2 in phase 1, told by
-  the trainer through :meth:`BertJam.set_phase`; a persistent buffer, so checkpoints carry it).
+  ``B = B_L / 2`` at init; the model scales the GLU output by ``glu_scale`` (2 in phase 1, told by
+  the trainer through :meth:`BertJam.set_phase`; a persistent buffer, so checkpoints carry it), folded into α.
 - **Encoder layer** (Eq. 9): ``E^{i+1} = Attn_joint(E^i, B^{E,i})`` then FFN. **Decoder layer** (Eq. 10):
   ``D' = ½ (Attn_joint(D, B^{D,i}) + Attn_joint(D, E^L))`` (drop-net over the two optional,
   ``model.decoder_p_net``, as in the original code), then FFN. Residuals and layer norms as the baseline.
