@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nmtcore.nn.cache import LayerCache
 from nmtcore.nn.layers import attend
 
 
@@ -118,3 +119,30 @@ def test_cuda_attention_leaves_out_cudnn_unless_asked(monkeypatch, env, kept):
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_layer_cache_grows_and_reorders_like_concatenation(grad: bool) -> None:
+    """In-place buffers (no autograd) or concatenation (autograd): the prefix a step reads is the concatenation
+    of every step's keys/values, rows reordered, dropped and duplicated as the search asks, past the buffers'
+    first capacity (16 steps)."""
+    g = torch.Generator().manual_seed(0)
+    cache, ref_k, ref_v = LayerCache(), None, None
+    rows = 6
+    with torch.set_grad_enabled(grad):
+        for step in range(40):
+            k, v = (torch.randn(rows, 2, 1 + (step == 5), 8, generator=g).requires_grad_(grad) for _ in range(2))
+            got_k, got_v = cache.grow(k, v)
+            ref_k = k if ref_k is None else torch.cat([ref_k, k], dim=2)
+            ref_v = v if ref_v is None else torch.cat([ref_v, v], dim=2)
+            assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+            assert got_k.requires_grad == grad
+            if step % 3 == 2:  # drop one row, duplicate another
+                index = torch.cat([torch.randperm(rows, generator=g)[1:], torch.tensor([0])])
+            else:  # beams permuted within the same rows
+                index = torch.randperm(rows, generator=g)
+            cache.select_rows(index)
+            ref_k, ref_v = ref_k.index_select(0, index), ref_v.index_select(0, index)
+            assert torch.equal(cache.self_k, ref_k) and torch.equal(cache.self_v, ref_v)
+    if grad:  # gradients reach every step's keys
+        cache.self_k.sum().backward()

@@ -21,9 +21,12 @@ from torch import Tensor
 from nmtcore.config import DecodeConfig
 from nmtcore.decoding.beam_search import (
     Hypothesis,
+    _best_tokens,
+    _constrained_log_probs,
     beam_search,
     greedy_search,
     max_lengths,
+    topk_rows,
     translate,
 )
 from nmtcore.models.base import DecoderState, EncoderOut, NMTModel
@@ -350,3 +353,51 @@ def test_registered_models_decode_a_padded_batch_like_sentences_alone(case, smal
                                                                   ids=torch.tensor([i]))), c)
         assert [h.tokens for h in hyps] == [h.tokens for h in alone[0]]
         assert [h.score for h in hyps] == pytest.approx([h.score for h in alone[0]], abs=1e-4)
+
+
+# ---------------------------------------------------------------------- the step's candidates
+@pytest.mark.parametrize("vocab,k", [(1000, 10), (8000 + 37, 10), (5000, 4), (300, 10)])
+def test_topk_rows_equals_topk(vocab, k):
+    """Blocks' maxima first, then topk within the best blocks (and the partial last one): the same values and
+    tokens as one topk over each whole row, including rows whose best entries share one block or lie in the
+    partial block, and rows mostly -inf (barred tokens)."""
+    g = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(24, vocab, generator=g)
+    x[1, 64:64 + k] = 50.0 + torch.arange(k, dtype=torch.float32)  # all in one block
+    x[2, -3:] = 60.0  # the partial last block (when there is one) holds three of the best
+    x[2, -3:] += torch.arange(3, dtype=torch.float32)
+    x[3, : vocab - 2 * k] = float("-inf")  # almost every token barred
+    x[4, ::2] = float("-inf")
+    want_v, want_i = x.topk(k, dim=1)
+    got_v, got_i = topk_rows(x, k)
+    assert torch.equal(got_v, want_v)
+    assert torch.equal(got_i, want_i)
+
+
+def test_topk_rows_ranks_nan_first_like_topk():
+    x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(3))
+    x[1, 1234] = float("nan")
+    got_v, got_i = topk_rows(x, 6)
+    assert bool(got_v[1, 0].isnan()) and int(got_i[1, 0]) == 1234
+    assert torch.equal(got_v[[0, 2]], x[[0, 2]].topk(6, dim=1).values)
+
+
+@pytest.mark.parametrize("step,forced", [(0, None), (3, None), (3, [True, False, False, True, False, False])])
+def test_best_tokens_are_the_top_of_the_constrained_log_probs(step, forced):
+    """Candidates without cleaning NaN over the whole vocabulary: NaN/inf rows still rank as fairseq's rule (NaN ->
+    -inf) has them, pad/bos/min_len/forced EOS as in the full constrained log-probs."""
+    model = ScriptedModel(random_script(0))
+    g = torch.Generator().manual_seed(step)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    logits[1, 17] = float("nan")  # a whole row of NaN log-probs
+    logits[2, 5] = float("inf")
+    forced_t = None if forced is None else torch.tensor(forced)
+    want = _constrained_log_probs(logits.clone(), model, step, 2, forced_t).topk(10, dim=1)
+    got_v, got_i = _best_tokens(logits.clone(), model, step, 2, forced_t, 10)
+    finite = want.values.isfinite()
+    assert torch.equal(got_v.isfinite(), finite)
+    assert torch.equal(got_v[finite], want.values[finite])
+    assert torch.equal(got_i[finite], want.indices[finite])
+    assert not bool(got_v.isnan().any())
+    if forced is not None:  # a forced row offers EOS (its real log-prob) and nothing else
+        assert int(got_i[0, 0]) == EOS and bool(got_v[0, 0].isfinite()) and not bool(got_v[0, 1:].isfinite().any())
