@@ -85,7 +85,9 @@ class LayerCache:
     @staticmethod
     def _gather(prefix: Tensor, buf: Tensor, index: Tensor) -> Tensor:
         new = buf.new_empty(len(index), *buf.shape[1:])
-        torch.index_select(prefix, 0, index, out=new[:, :, : prefix.size(2)])
+        got = torch.index_select(prefix, 0, index, out=new[:, :, : prefix.size(2)])
+        if got.data_ptr() != new.data_ptr():  # an out= that was reallocated rather than written in place
+            new[:, :, : prefix.size(2)] = got
         return new
 
     def select_rows(self, index: Tensor, static: bool = True) -> None:
