@@ -86,6 +86,11 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def _nan_to_neg_inf_(lprobs: Tensor) -> Tensor:
+    """fairseq's rule, in place: NaN log-probs (from NaN/inf logits) become -inf."""
+    return lprobs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
+
+
 def _constrained_log_probs(
     logits: Tensor, model: NMTModel, step: int, min_len: int, forced: Tensor | None, clean_nan: bool = True
 ) -> Tensor:
@@ -99,7 +104,7 @@ def _constrained_log_probs(
     """
     lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # (R, V)
     if clean_nan:
-        lprobs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
+        _nan_to_neg_inf_(lprobs)
     lprobs[:, model.pad_id] = NEG_INF
     if model.bos_id != model.eos_id:
         lprobs[:, model.bos_id] = NEG_INF
@@ -153,7 +158,7 @@ def _best_tokens(
     lprobs = _constrained_log_probs(logits, model, step, min_len, forced, clean_nan=False)  # (R, V)
     best, tok = topk_rows(lprobs, k)
     if bool(best.isnan().any()):
-        best, tok = topk_rows(lprobs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF), k)
+        best, tok = topk_rows(_nan_to_neg_inf_(lprobs), k)
     return best, tok
 
 
