@@ -146,3 +146,48 @@ def test_layer_cache_grows_and_reorders_like_concatenation(grad: bool) -> None:
             assert torch.equal(cache.self_k, ref_k) and torch.equal(cache.self_v, ref_v)
     if grad:  # gradients reach every step's keys
         cache.self_k.sum().backward()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("t_q,t_mem", [(1, 7), (1, 90), (3, 70)])  # decoding steps; fp32 at 3 × 70 → SDPA
+@pytest.mark.parametrize("beams", [1, 3])
+def test_beams_sharing_a_memory_row_attend_as_if_it_were_copied(
+    dtype: torch.dtype, tol: float, t_q: int, t_mem: int, beams: int
+) -> None:
+    """Beam search keeps a fixed memory's keys/values once per sentence (n rows) for n·beams query rows: ``attend``
+    and ``attend_parts`` give what they give over the memory copied to every beam (``repeat_interleave``), with
+    a padded memory row, beside a part with a row per beam; and a row count that is no multiple is refused."""
+    from nmtcore.nn.layers import attend_parts
+
+    g = torch.Generator().manual_seed(t_q * 1000 + t_mem + beams)
+    n, h, dh = 2, 4, 16
+
+    def rand(rows: int, t: int) -> torch.Tensor:
+        return torch.randn(rows, h, t, dh, generator=g).to(dtype)
+
+    q, k, v = rand(n * beams, t_q), rand(n, t_mem), rand(n, t_mem)
+    k_r, v_r = rand(n * beams, 4), rand(n * beams, 4)  # a per-beam part (a decoder prefix)
+    pad = torch.ones(n, 1, 1, t_mem, dtype=torch.bool)
+    pad[1, ..., t_mem - 3:] = False  # sentence 1's last three memory positions are padding
+
+    def copied(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(beams, 0)
+
+    got = attend(q, k, v, pad, False, 0.0)
+    want = attend(q, copied(k), copied(v), copied(pad), False, 0.0)
+    assert got.shape == (n * beams, h, t_q, dh)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    got = attend_parts(q, [(k_r, v_r, None), (k, v, pad)], 0.0)
+    want = attend_parts(q, [(k_r, v_r, None), (copied(k), copied(v), copied(pad))], 0.0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # Each beam reads its own sentence's row: a change to sentence 1's keys moves only its beams' outputs.
+    k2 = k.clone()
+    k2[1, :, 0] += 5.0
+    moved = attend(q, k2, v, pad, False, 0.0)
+    torch.testing.assert_close(moved[:beams], attend(q, k, v, pad, False, 0.0)[:beams])
+    assert not torch.allclose(moved[beams:].float(), attend(q, k, v, pad, False, 0.0)[beams:].float())
+    if beams > 1:
+        with pytest.raises(ValueError, match="cannot share"):
+            attend(q[:-1], k, v, pad, False, 0.0)
+        with pytest.raises(ValueError, match="causal"):
+            attend(q, k, v, None, True, 0.0)

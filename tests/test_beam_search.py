@@ -73,6 +73,7 @@ class ScriptedModel(NMTModel):
         super().__init__()
         self.script = script
         self.rows_per_step: list[int] = []
+        self.memory_rows_per_step: list[int] = []
 
     def encode(self, batch: FakeBatch) -> EncoderOut:
         return EncoderOut(out=batch.src.float().unsqueeze(-1), mask=batch.src_mask,
@@ -88,13 +89,24 @@ class ScriptedModel(NMTModel):
         assert prev_tokens.shape == (rows, 1) and prev_tokens.dtype == torch.long
         prefix = torch.cat([state.extras["prefix"], prev_tokens], dim=1)  # (R, t+1)
         assert prefix.shape[1] == state.step + 1 and bool((prefix[:, 0] == BOS).all())
-        # The encoder rows must follow the state's rows (same sentence in each row).
-        assert torch.equal(state.extras["key"], enc_out.extras["key"])
+        # The encoder rows must follow the state's rows: one per sentence, its beams' rows consecutive
+        # (beams_share_memory), or one per row.
+        enc_rows = enc_out.extras["key"].shape[0]
+        shared = enc_out.extras["key"].repeat_interleave(rows // enc_rows)
+        assert enc_rows == (len(set(state.extras["key"].tolist())) if self.beams_share_memory else rows)
+        assert torch.equal(state.extras["key"], shared)
         state.extras["prefix"] = prefix
         state.step += 1
         self.rows_per_step.append(rows)
+        self.memory_rows_per_step.append(enc_rows)
         keys = state.extras["key"].tolist()
         return torch.stack([self.script(k, tuple(p[1:])) for k, p in zip(keys, prefix.tolist())])
+
+
+class ExpandedScriptedModel(ScriptedModel):
+    """The same decoder, asking for its encoder rows expanded to every beam."""
+
+    beams_share_memory = False
 
 
 def table_script(table: dict[tuple[int, ...], dict[int, float]]) -> Script:
@@ -247,12 +259,17 @@ SOURCES = [[10, A, EOS], [11, A, A, A, A, A, EOS], [12, EOS], [13, A, A, A, EOS]
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("decode, beam", [(beam_search, 3), (beam_search, 1), (greedy_search, 1)])
-def test_batch_equals_sentences_alone(decode, beam, seed):
+@pytest.mark.parametrize("model_class", [ScriptedModel, ExpandedScriptedModel])
+def test_batch_equals_sentences_alone(decode, beam, seed, model_class):
     c = cfg(beam=beam, nbest=beam, lenpen=0.8, max_len_a=1.0, max_len_b=1, min_len=1)
-    model = ScriptedModel(random_script(seed))
+    model = model_class(random_script(seed))
     batched = decode(model, make_batch(SOURCES), c)
     rows = model.rows_per_step
-    alone = [decode(ScriptedModel(random_script(seed)), make_batch([s]), c)[0] for s in SOURCES]
+    if model_class.beams_share_memory:  # one encoder row per active sentence at every step
+        assert model.memory_rows_per_step == [r // (1 if i == 0 else beam) for i, r in enumerate(rows)]
+    else:
+        assert model.memory_rows_per_step == rows
+    alone = [decode(model_class(random_script(seed)), make_batch([s]), c)[0] for s in SOURCES]
     assert_same(batched, alone)
     for hyps, src in zip(batched, SOURCES):
         assert all(len(h.tokens) <= len(src) + 1 for h in hyps)  # max_len = src_len + 1
@@ -401,3 +418,17 @@ def test_best_tokens_are_the_top_of_the_constrained_log_probs(step, forced):
     assert not bool(got_v.isnan().any())
     if forced is not None:  # a forced row offers EOS (its real log-prob) and nothing else
         assert int(got_i[0, 0]) == EOS and bool(got_v[0, 0].isfinite()) and not bool(got_v[0, 1:].isfinite().any())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_registered_models_decode_alike_with_their_memory_shared_by_beams_or_copied(case, small_batch):
+    """Every registered model decodes with one encoder/BERT row per sentence shared by its beams
+    (``beams_share_memory``) exactly as with those rows copied to every beam."""
+    model = tiny_model(case)
+    assert model.beams_share_memory
+    c = DecodeConfig(beam=4, nbest=4, max_len_a=1.0, max_len_b=2, min_len=0, precision="fp32")
+    small_batch = with_inputs(model, small_batch)
+    shared = beam_search(model, small_batch, c)
+    model.beams_share_memory = False  # this instance only
+    copied = beam_search(model, small_batch, c)
+    assert_same(shared, copied)

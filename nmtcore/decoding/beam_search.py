@@ -20,9 +20,12 @@ Each row's best ``2 * beam`` tokens come from :func:`topk_rows` (blocks' maxima,
 blocks), and NaN is cleaned only when one reaches them.
 Step 0 runs one row per sentence (all beams would be identical), and the expansion to ``beam`` rows is
 just the first reorder. Finished sentences leave the batch: their rows are dropped from the decoder
-state (and the encoder output) by the same ``reorder`` that follows the surviving beams. The encoder
-output is reordered only when the set of sentences changes, because the beams of one sentence share
-identical encoder rows.
+state by the same ``reorder`` that follows the surviving beams. The encoder output and the caches' static
+keys/values (encoder, BERT) stay one row per sentence (``NMTModel.beams_share_memory``; attention shares
+each row with the sentence's beams): they change only when sentences leave, and then by the sentences'
+index, where expanding them to every beam copied them at step 0 and again each time a sentence finished,
+and scored each beam's query against its own copy. A model that sets it False gets them expanded to its
+rows (reordered only when the set of sentences changes, the beams' rows being identical copies).
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
     """
     beam, eos, lenpen = cfg.beam, model.eos_id, cfg.lenpen
     n_cand = 2 * beam  # 2 x beam so that `beam` non-EOS candidates always remain
+    shared = model.beams_share_memory  # encoder rows and static keys/values kept once per sentence
     bsz = batch.src_mask.shape[0]
     finalized: list[list[Hypothesis]] = [[] for _ in range(bsz)]
     if bsz == 0:
@@ -235,6 +239,7 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
                 break
 
             sentences_changed = k != beam
+            keep = None
             if done:  # drop finished sentences from the batch
                 kept = [p for p in range(n) if p not in done]
                 keep = torch.tensor(kept, device=device)  # (n',)
@@ -256,9 +261,14 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
             tokens = torch.cat([tokens.index_select(0, new_row), new_tok.unsqueeze(1)], dim=1)  # (R', t+1)
             scores = torch.cat([scores.index_select(0, new_row), cum.unsqueeze(1)], dim=1)  # (R', t+1)
 
-            state.reorder(new_row, static=sentences_changed)  # beams of one sentence share static rows
-            if sentences_changed:  # beams of one sentence share their encoder rows
-                enc_out = enc_out.reorder(new_row)
+            if shared:  # one encoder / static row per sentence: only dropped sentences change them
+                state.reorder(new_row, static=keep if keep is not None else False)
+                if keep is not None:
+                    enc_out = enc_out.reorder(keep)
+            else:  # one per row: expanded at step 0, beams of one sentence share identical rows
+                state.reorder(new_row, static=sentences_changed)
+                if sentences_changed:
+                    enc_out = enc_out.reorder(new_row)
             k = beam
             prev = new_tok.unsqueeze(1)  # (R', 1)
 

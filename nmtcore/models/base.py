@@ -67,6 +67,13 @@ class NMTModel(nn.Module):
     # as its source tokens, so the token budget counts them; for every other model the BERT stream is an extra
     # input and the budget counts NMT tokens only (a BERT arm trains on its control's batches).
     source_is_bert_stream: ClassVar[bool] = False
+    # Beam search keeps the encoder output and the caches' static keys/values (encoder, BERT: ``LayerCache.static``)
+    # once per sentence, not once per beam: ``decode_step`` then gets ``enc_out`` with one row per sentence and
+    # ``prev_tokens``/``state`` rows grouped by sentence (its beams consecutive), and attention shares each static
+    # row with its sentence's beams (:func:`nmtcore.nn.layers.attend`). True for a model that reads ``enc_out``
+    # in ``decode_step`` only through attention over cached static keys/values (every registered model); a model
+    # that combines it row by row with the decoder's states sets False and gets ``enc_out`` expanded to its rows.
+    beams_share_memory: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ required
     def encode(self, batch: "Batch") -> EncoderOut:  # pragma: no cover - interface

@@ -90,8 +90,10 @@ class LayerCache:
             new[:, :, : prefix.size(2)] = got
         return new
 
-    def select_rows(self, index: Tensor, static: bool = True) -> None:
-        """Keep the rows ``index`` (B',) of the prefix (and of the static keys/values when ``static``)."""
+    def select_rows(self, index: Tensor, static: bool | Tensor = True) -> None:
+        """Keep the rows ``index`` (B',) of the prefix, and of the static keys/values when ``static`` is True;
+        a tensor ``static`` selects the static rows by its own index (one row per sentence, see
+        :meth:`DecoderState.reorder`)."""
         if self.self_k is not None:
             if self._k_buf is None:
                 self.self_k, self.self_v = self.self_k.index_select(0, index), self.self_v.index_select(0, index)
@@ -100,8 +102,9 @@ class LayerCache:
                 self._k_buf, self._v_buf = (self._gather(self.self_k, self._k_buf, index),
                                             self._gather(self.self_v, self._v_buf, index))
                 self.self_k, self.self_v = self._k_buf[:, :, :t], self._v_buf[:, :, :t]
-        if static:
-            self.static = {name: (k.index_select(0, index), v.index_select(0, index))
+        if static is not False:
+            rows = index if static is True else static
+            self.static = {name: (k.index_select(0, rows), v.index_select(0, rows))
                            for name, (k, v) in self.static.items()}
 
 
@@ -119,12 +122,15 @@ class DecoderState:
         """A state with one empty :class:`LayerCache` per decoder layer."""
         return cls(layers=[LayerCache() for _ in range(num_layers)])
 
-    def reorder(self, beam_idx: Tensor, static: bool = True) -> None:
+    def reorder(self, beam_idx: Tensor, static: bool | Tensor = True) -> None:
         """Keep the rows ``beam_idx`` (B',) of every cached tensor, in place.
 
         ``static=False`` leaves the keys/values over fixed memories (encoder, BERT) as they are: valid
         when ``beam_idx`` only permutes rows *within* each sentence's block of beams, whose static rows
-        are identical copies (beam search knows when that holds and saves the copies).
+        are identical copies (beam search knows when that holds and saves the copies). A tensor
+        ``static`` selects the static rows by that index instead: beam search keeps them once per sentence
+        (attention shares each row with the sentence's beams, :func:`nmtcore.nn.layers.attend`) and passes
+        the surviving sentences.
         """
         for cache in self.layers:
             cache.select_rows(beam_idx, static)

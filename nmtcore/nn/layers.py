@@ -76,6 +76,29 @@ def _explicit_path(q: Tensor, t_k: int) -> bool:
     return q.device.type == "cpu" and (q.size(2) == 1 or q.dtype != torch.float32 or t_k <= 64)
 
 
+def queries_per_memory_row(q: Tensor, k: Tensor) -> int:
+    """How many consecutive rows of ``q`` (R, H, Tq, Dh) share each row of ``k`` (n, H, Tk, Dh): 1 when they
+    match; g = R / n when beam search keeps a fixed memory's keys/values once per sentence for its g beams."""
+    r, n = q.size(0), k.size(0)
+    if r == n:
+        return 1
+    if n == 0 or r % n:
+        raise ValueError(f"attention: {r} query rows cannot share {n} key/value rows (need a multiple)")
+    return r // n
+
+
+def group_rows(x: Tensor, g: int) -> Tensor:
+    """(n·g, H, T, X) → (n, H, g·T, X): each group of g consecutive rows as one row of g·T queries."""
+    r, h, t, d = x.shape
+    return x.reshape(r // g, g, h, t, d).transpose(1, 2).reshape(r // g, h, g * t, d)
+
+
+def ungroup_rows(x: Tensor, g: int) -> Tensor:
+    """The inverse of :func:`group_rows`: (n, H, g·T, X) → (n·g, H, T, X)."""
+    n, h, gt, d = x.shape
+    return x.reshape(n, h, g, gt // g, d).transpose(1, 2).reshape(n * g, h, gt // g, d)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout_p: float) -> Tensor:
     """Multi-head attention (B, H, Tq, Dh) × (B, H, Tk, Dh) → (B, H, Tq, Dh); ``mask`` True = may attend,
     ``causal`` aligns the last query with the last key (an incremental step's queries see the prefix).
@@ -87,7 +110,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     bf16 training step at d 256), 1.1-1.3x in fp32 up to 50 tokens, less than it beyond ~64; for single-query
     decoding steps 2-4x. CUDA always takes SDPA (flash / memory-efficient kernels; not cuDNN's, see
     :func:`nmtcore.devices.shape_free_cuda_attention`).
+
+    Keys/values with fewer rows than ``q`` are a memory shared by groups of consecutive query rows (beam
+    search keeps one row of encoder/BERT keys per sentence, its beams' queries are ``g`` consecutive rows;
+    :func:`queries_per_memory_row`): each group attends as one row of g·Tq queries, ``mask`` then has one row
+    per memory row (or broadcasts) and no query dimension.
     """
+    g = queries_per_memory_row(q, k)
+    if g > 1:  # beams over one shared memory row: attend as one sentence's g·Tq queries
+        if causal:
+            raise ValueError("attend: grouped queries (a memory shared by several rows) take no causal mask")
+        return ungroup_rows(attend(group_rows(q, g), k, v, mask, False, dropout_p), g)
     t_q, t_k = q.size(2), k.size(2)
     if q.is_cuda:
         shape_free_cuda_attention()
@@ -116,23 +149,27 @@ def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], d
     or values at all, where concatenating them copied every part's whole cache at every step and layer.
     Elsewhere (CUDA, long fp32 sequences) the parts are concatenated for SDPA's fused kernels."""
     t_q, t_k = q.size(2), sum(k.size(2) for k, _, _ in parts)
+    groups = [queries_per_memory_row(q, k) for k, _, _ in parts]  # > 1: a memory shared by beams (see attend)
     if not _explicit_path(q, t_k):
         b = q.size(0)
         masks = [torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m for _, _, m in parts]
+        masks = [m.repeat_interleave(g, 0) if g > 1 and m.size(0) > 1 else m for m, g in zip(masks, groups)]
         mask = torch.cat([m.expand(b, 1, t_q, k.size(2)) for m, (k, _, _) in zip(masks, parts)], dim=-1)
-        keys, values = torch.cat([k for k, _, _ in parts], dim=2), torch.cat([v for _, v, _ in parts], dim=2)
+        keys = torch.cat([k.repeat_interleave(g, 0) if g > 1 else k for (k, _, _), g in zip(parts, groups)], dim=2)
+        values = torch.cat([v.repeat_interleave(g, 0) if g > 1 else v for (_, v, _), g in zip(parts, groups)], dim=2)
         return attend(q, keys, values, mask, False, dropout_p)
     scale = q.size(-1) ** -0.5
     scores = []
-    for k, _, mask in parts:
-        s = (q @ k.transpose(-1, -2)).float() * scale  # (B, H, Tq, Tk_i)
-        scores.append(s if mask is None else s.masked_fill(~mask, float("-inf")))
+    for (k, _, mask), g in zip(parts, groups):  # a shared memory is scored once per sentence for all its beams
+        s = ((q if g == 1 else group_rows(q, g)) @ k.transpose(-1, -2)).float() * scale  # (B, H, Tq, Tk_i)
+        s = s if mask is None else s.masked_fill(~mask, float("-inf"))
+        scores.append(s if g == 1 else ungroup_rows(s, g))
     probs = dropout(torch.softmax(torch.cat(scores, dim=-1), dim=-1), dropout_p, True)  # (B, H, Tq, ΣTk)
     # split, not slices: its backward joins the parts' gradients in one cat, where each slice's filled a
     # zeroed copy of the whole probabilities and summed them.
     out = None
-    for p, (_, v, _) in zip(probs.split([k.size(2) for k, _, _ in parts], dim=-1), parts):
-        y = p.to(v.dtype) @ v  # (B, H, Tq, Dh)
+    for p, (_, v, _), g in zip(probs.split([k.size(2) for k, _, _ in parts], dim=-1), parts, groups):
+        y = p.to(v.dtype) @ v if g == 1 else ungroup_rows(group_rows(p.to(v.dtype), g) @ v, g)  # (B, H, Tq, Dh)
         out = y if out is None else out + y
     return out
 
