@@ -191,3 +191,26 @@ def test_beams_sharing_a_memory_row_attend_as_if_it_were_copied(
             attend(q[:-1], k, v, pad, False, 0.0)
         with pytest.raises(ValueError, match="causal"):
             attend(q, k, v, None, True, 0.0)
+
+
+def test_a_cached_memory_is_projected_once_and_stored_contiguous() -> None:
+    """``LayerCache.memory``: the first call projects, later ones return the stored keys/values, contiguous (a
+    head split of a projection is a strided view, which attention would copy at every decoding step)."""
+    from nmtcore.nn.layers import CrossAttention
+
+    layer = CrossAttention(32, 4, 0.0, kdim=24).eval()
+    memory = torch.randn(3, 7, 24)
+    assert not layer.project_memory(memory)[0].is_contiguous()
+    cache, calls = LayerCache(), []
+
+    def project():
+        calls.append(1)
+        return layer.project_memory(memory)
+
+    k, v = cache.memory("bert", project)
+    assert k.is_contiguous() and v.is_contiguous() and len(calls) == 1
+    assert cache.memory("bert", project)[0] is k and len(calls) == 1
+    torch.testing.assert_close((k, v), layer.project_memory(memory))
+    x = torch.randn(3, 1, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, memory, None, cache=cache, name="bert"), layer(x, memory, None))

@@ -82,9 +82,7 @@ class JointAttention(nn.Module):
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 × (B, H, T, Dh)
         if cache is not None:
             k, v = cache.grow(k, v)  # (B, H, t+1, Dh)
-            if name not in cache.static:
-                cache.static[name] = self.project_memory(memory)
-            k_s, v_s = cache.static[name]
+            k_s, v_s = cache.memory(name, lambda: self.project_memory(memory))
         else:
             k_s, v_s = self.project_memory(memory)  # 2 × (B, H, M, Dh)
         t_q, t_r = q.size(2), k.size(2)

@@ -305,9 +305,7 @@ class CoordinatorAttention(nn.Module):
         q = split_heads(self.q(x), self.heads)  # (B, H, T, Dh)
         c_t, c_h = caches if caches is not None else (None, None)
         if c_t is not None:
-            if "src" not in c_t.static:
-                c_t.static["src"] = self.project(r_src)
-            k_s, v_s = c_t.static["src"]
+            k_s, v_s = c_t.memory("src", lambda: self.project(r_src))
         else:
             k_s, v_s = self.project(r_src)  # (B, H, S, Dh)
         k_t, v_t = self.grow(c_t, *self.project(r_tgt))  # (B, H, t, Dh)

@@ -9,7 +9,7 @@ containers, never by changing the search: beam search only calls ``EncoderOut.re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -89,6 +89,15 @@ class LayerCache:
         if got.data_ptr() != new.data_ptr():  # an out= that was reallocated rather than written in place
             new[:, :, : prefix.size(2)] = got
         return new
+
+    def memory(self, name: str, project: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """The static keys/values over memory ``name`` (B, H, S, Dh): ``project()`` at the first step, stored
+        contiguous. A projection's heads are a strided view of its output; attention over a strided cache copied
+        its keys and values at every step (until a reorder happened to copy them once)."""
+        if name not in self.static:
+            k, v = project()
+            self.static[name] = (k.contiguous(), v.contiguous())
+        return self.static[name]
 
     def select_rows(self, index: Tensor, static: bool | Tensor = True) -> None:
         """Keep the rows ``index`` (B',) of the prefix, and of the static keys/values when ``static`` is True;

@@ -252,9 +252,7 @@ class CrossAttention(nn.Module):
     ) -> Tensor:
         q = split_heads(self.q(x), self.heads)  # (B, H, T, Dh)
         if cache is not None:
-            if name not in cache.static:
-                cache.static[name] = self.project_memory(memory)
-            k, v = cache.static[name]
+            k, v = cache.memory(name, lambda: self.project_memory(memory))
         else:
             k, v = self.project_memory(memory)
         y = attend(q, k, v, key_padding_to_attn_mask(memory_mask), False,
