@@ -5,7 +5,8 @@ A model is a ``torch.nn.Module`` with four required methods:
 - ``encode(batch) -> EncoderOut``: everything on the source side, once.
 - ``init_state(enc_out) -> DecoderState``: an empty incremental state for beam search.
 - ``decode_step(prev_tokens, enc_out, state) -> logits``: one incremental decoder step for ``prev_tokens``
-  (B, 1), reading and growing ``state`` in place; returns (B, V) logits.
+  (B, 1), reading and growing ``state`` in place; returns (B, V) logits. Under beam search ``enc_out`` has
+  one row per sentence and B = sentences × beams (:attr:`NMTModel.beams_share_memory`).
 - ``forward(batch) -> ModelOutput``: teacher-forced logits plus the typed extras a loss needs.
 
 and optional hooks, declared here with their defaults so the trainer never probes a model with
