@@ -261,14 +261,13 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
             tokens = torch.cat([tokens.index_select(0, new_row), new_tok.unsqueeze(1)], dim=1)  # (R', t+1)
             scores = torch.cat([scores.index_select(0, new_row), cum.unsqueeze(1)], dim=1)  # (R', t+1)
 
-            if shared:  # one encoder / static row per sentence: only dropped sentences change them
-                state.reorder(new_row, static=keep if keep is not None else False)
-                if keep is not None:
-                    enc_out = enc_out.reorder(keep)
-            else:  # one per row: expanded at step 0, beams of one sentence share identical rows
-                state.reorder(new_row, static=sentences_changed)
-                if sentences_changed:
-                    enc_out = enc_out.reorder(new_row)
+            # The encoder output and the static keys/values take the same rows: one per sentence (only dropped
+            # sentences change them), or one per row (expanded at step 0; a sentence's beams share identical
+            # rows, so a reorder within its block leaves them).
+            memory_rows = keep if shared else (new_row if sentences_changed else None)
+            state.reorder(new_row, static=False if memory_rows is None else memory_rows)
+            if memory_rows is not None:
+                enc_out = enc_out.reorder(memory_rows)
             k = beam
             prev = new_tok.unsqueeze(1)  # (R', 1)
 
