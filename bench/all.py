@@ -13,7 +13,8 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
   blocks of 5 updates on the same batches (``--cache-rounds`` blocks each way).
 - ``decode_speed``: PLM-sponsored beam-5 sentences/s against the baseline's.
 - ``finetune_memory``: peak memory of the fine-tuned BERT trials against the baseline trial's.
-- ``sweep_overhead``: one trial run directly and as a one-trial sweep (2 threads, ``--sweep-updates`` updates).
+- ``sweep_overhead``: one trial run directly and as the first of a two-seed sweep (2 threads, ``--sweep-updates``
+  updates; the second seed runs in the first one's Tune actor: what each further trial pays outside the trainer).
 
 Load: for each step, the 1-minute load average at its start and end, and ``others_cores``: the CPU the machine
 spent outside the step's own processes over the step's wall time, in cores (``/proc/stat`` busy time minus the

@@ -1,17 +1,20 @@
 """What the sweep platform costs: one trial run directly (``run_experiment``, no tracking) against the
-same trial as a one-trial sweep through Tune + Ray Train + MLflow, measured one after the other in one
+same trial as the first of a sweep through Tune + Ray Train + MLflow, measured one after the other in one
 run, and printed as the overhead in seconds and as a fraction of the direct trial's wall time.
 
 Three overheads are reported:
 
 * **end to end**: ``run_sweep`` wall time (Ray cluster start, data pre-check, MLflow parent run,
   Tune, the Train worker group, per-epoch checkpoint upload, MLflow child logging, report) minus the
-  direct run's wall time;
-* **per trial**: the Tune trial's own wall time (worker-group start to last report) minus the direct
-  run's: what every further trial of a sweep pays.
+  direct run's wall time once per wave of trials (the trials that fit the cores at once run together);
+* **per trial**: the first Tune trial's own wall time (from its actor's start to its last report) minus
+  the direct run's.
 
 * **outside the trainer**: in the same sweep, the Tune trial's wall time minus the time spent inside
-  ``run_experiment`` (measured by the trial itself): immune to load drifting between the two runs.
+  ``run_experiment`` (measured by the trial itself): immune to load drifting between the two runs. Printed
+  for each trial: the sweep runs ``--trials`` seeds of the trial (default 2), and at ``--threads`` equal to
+  the core count they run one after another, the second in the first one's Tune actor (FIFO sweeps reuse
+  it: ``ray_backend.reuse_trial_actors``), so "further trials" is what every trial after the first pays.
 
 Runs are ordered direct, sweep, sweep, direct (``--repeat 2``) so a drift in machine load hits both
 sides alike; the load average is recorded. Both ways must give the same test BLEU (same trial).
@@ -61,6 +64,8 @@ def main() -> int:
     ap.add_argument("--max-updates", type=int, default=0, help="cap the trial (0 = whole epochs)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trial (both runs)")
     ap.add_argument("--repeat", type=int, default=2, help="2: direct, sweep, sweep, direct (ABBA); 1: one each")
+    ap.add_argument("--trials", type=int, default=2, help="seeds of the trial in each sweep (the first is compared "
+                    "with the direct run)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     reexec_with_allocator()  # the direct run on the allocator the sweep's trial gets (nmtcore.allocator)
@@ -76,6 +81,7 @@ def main() -> int:
     prepare_data(cfg.data)  # the vocabulary is cached for both runs alike
     loads = [os.getloadavg()[0]]
     direct_walls, sweep_walls, trial_walls, inside_walls, bleus = [], [], [], [], set()
+    further_outside: list[float] = []  # outside the trainer, each trial after a sweep's first
     # ABBA order: a drift in machine load during the run hits both sides alike.
     for i, side in enumerate(["direct", "sweep", "sweep", "direct"][: 2 * args.repeat] if args.repeat > 1
                              else ["direct", "sweep"]):
@@ -91,22 +97,31 @@ def main() -> int:
             settings = sweep_settings.SweepSettings(name=f"overhead{i}", storage=str(work / "ray"),
                                            tracking_uri=f"sqlite:///{work}/m.db", cpus_per_trial=float(args.threads),
                                            num_cpus=os.cpu_count(), dashboard=True, report_dir=str(work / f"r{i}"),
-                                           verbose=0)
+                                           verbose=0, seeds=args.trials)
             t0 = time.perf_counter()
             result = driver.run_sweep(space, cfg.with_overrides({"output_dir": str(work / "unused")}), settings,
                                      log_to_driver=False)
             sweep_walls.append(time.perf_counter() - t0)
-            (trial,) = result.trials
-            trial_walls.append(float(trial.metrics.get("time_total_s", float("nan"))))
-            child = tracking.get_run(trial.run_id, result.tracking_uri)
-            inside_walls.append(child.metrics["cost/wall_s"])
-            bleus.add(round(child.metrics[f"test/{cfg.data.test_splits[0]}/bleu"], 4))
+            children = {}
+            for trial in result.trials:
+                child = tracking.get_run(trial.run_id, result.tracking_uri)
+                children[child.start_time] = (trial, child)
+            for n, (_, (trial, child)) in enumerate(sorted(children.items())):
+                wall, inside = float(trial.metrics.get("time_total_s", float("nan"))), child.metrics["cost/wall_s"]
+                if n:
+                    further_outside.append(wall - inside)
+                    continue
+                trial_walls.append(wall)  # the sweep's first trial: the direct run's seed
+                inside_walls.append(inside)
+                bleus.add(round(child.metrics[f"test/{cfg.data.test_splits[0]}/bleu"], 4))
         loads.append(os.getloadavg()[0])
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs)
 
     d, s, t, inside = mean(direct_walls), mean(sweep_walls), mean(trial_walls), mean(inside_walls)
+    at_once = max(1, (os.cpu_count() or 1) // args.threads)
+    waves = -(-args.trials // at_once)
     out = {
         "device": f"{os.cpu_count()} CPU cores, torch threads per trial {args.threads}, nice {os.nice(0)}",
         "load_average_1min": [round(x, 1) for x in loads],
@@ -116,14 +131,16 @@ def main() -> int:
         "sweep_wall_s": [round(x, 1) for x in sweep_walls],
         "tune_trial_wall_s": [round(x, 1) for x in trial_walls],
         "trial_inside_run_experiment_s": [round(x, 1) for x in inside_walls],
-        "overhead_end_to_end_s": round(s - d, 1),
-        "overhead_end_to_end_frac": round((s - d) / d, 3),
+        "trials_per_sweep": args.trials,
+        "overhead_end_to_end_s": round(s - waves * d, 1),
+        "overhead_end_to_end_frac": round((s - waves * d) / (waves * d), 3),
         "overhead_per_trial_s": round(t - d, 1),
         "overhead_per_trial_frac": round((t - d) / d, 3),
         # Same run, same load: the Tune trial's time outside run_experiment (actor, worker-group start,
         # MLflow re-attach, final report). Checkpoint uploads and MLflow logging happen inside.
         "trial_time_outside_trainer_s": round(t - inside, 1),
         "trial_time_outside_trainer_frac": round((t - inside) / inside, 3),
+        "further_trials_outside_trainer_s": [round(x, 1) for x in further_outside],
         "bar": "per-trial overhead <= 5% of a >= 2-minute trial at 2 threads",
     }
     worst = max(out["overhead_per_trial_frac"], out["trial_time_outside_trainer_frac"])
@@ -132,7 +149,8 @@ def main() -> int:
     # One line with every figure (what bench/all.py's summary collects; the JSON above spans lines).
     print(f"RESULT per-trial overhead={out['overhead_per_trial_frac']:.1%} (bar <= 5% at >= 2 threads, met: "
           f"{out['bar_met']}) outside the trainer={out['trial_time_outside_trainer_s']} s "
-          f"({out['trial_time_outside_trainer_frac']:.1%}) direct_wall_s={out['direct_wall_s']} "
+          f"({out['trial_time_outside_trainer_frac']:.1%}) further trials outside the trainer="
+          f"{out['further_trials_outside_trainer_s']} s direct_wall_s={out['direct_wall_s']} "
           f"tune_trial_wall_s={out['tune_trial_wall_s']} inside_trainer_s={out['trial_inside_run_experiment_s']} "
           f"same_test_bleu_both_ways={out['same_test_bleu_both_ways']}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

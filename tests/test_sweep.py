@@ -58,6 +58,8 @@ def test_sampled_spaces_use_seeded_optuna_tpe_with_asha_and_repeats_for_seeds():
     assert not asha._stop_last_trials  # a trial that reached the last epoch still decodes its test set
     off = ray_backend.scheduler(space, sweep_settings.SweepSettings(name="x", storage="/tmp", early_stopping=False), max_epochs=8)
     assert not isinstance(off, ASHAScheduler)
+    # A trial actor runs the next trial only where no trial is stopped early (its Train run would go on).
+    assert not ray_backend.reuse_trial_actors(asha) and ray_backend.reuse_trial_actors(off)
     assert ray_backend.num_samples(space, sweep_settings.SweepSettings(name="x", storage="/tmp", seeds=2)) == 16
     # Seeded: the same suggestions twice; different from another seed.
     a = ray_backend.preview_samples(space, 3, optuna_seed=0)
@@ -153,10 +155,13 @@ def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
 
 
 # ------------------------------------------------------------------------------- sweeps on Ray
-def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tmp_path, capsys):
-    space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64))})
+def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, store, tmp_path, capsys):
+    space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64, 48))})
     result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "smoke", store), log_to_driver=False)
-    assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED", "TERMINATED"]
+    assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"] * 3
+    # Under FIFO the third trial ran in the Tune actor (process) of one of the first two, not a new one.
+    pids = {t.overrides["model.d_model"]: t.metrics["pid"] for t in result.trials}
+    assert pids[32] != pids[64] and pids[48] in (pids[32], pids[64]), pids
     # The console followed each trial, every line stamped: started, each epoch with its bar, finished.
     console = [line for line in capsys.readouterr().out.splitlines() if " trial " in line]
     for arm in ("d_model=32", "d_model=64"):
@@ -166,11 +171,11 @@ def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tm
     assert all(re.match(r"\d\d:\d\d:\d\d trial ", line) for line in console), console
 
     parents, children = runs_of("smoke", store)
-    assert len(parents) == 1 and len(children) == 2
+    assert len(parents) == 1 and len(children) == 3
     assert parents[0].status == "FINISHED" and parents[0].tags["nmtcore.varied_keys"] == "model.d_model"
     assert {c.parent_run_id for c in children} == {parents[0].run_id}
     # The sampled value reached the trainer: each child logged (from inside its worker) its own d_model.
-    assert sorted(c.params["model.d_model"] for c in children) == ["32", "64"]
+    assert sorted(c.params["model.d_model"] for c in children) == ["32", "48", "64"]
     for c in children:
         assert c.status == "FINISHED" and c.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
         for key in ("valid_loss", "valid_bleu", "test/test/bleu", "test/test/chrf", "cost/parameters",
@@ -178,12 +183,12 @@ def test_smoke_sweep_one_parent_two_children_with_metrics(ray_cluster, store, tm
             assert key in c.metrics, key
         epochs = tracking.get_run_metrics(c.run_id, store)["valid_loss"]
         assert [step for step, _ in epochs] == [1, 2]
-        assert c.tags["nmtcore.node_ids"] and c.tags["varied.model.d_model"] in ("32", "64")
+        assert c.tags["nmtcore.node_ids"] and c.tags["varied.model.d_model"] in ("32", "48", "64")
         # Its worker process was started on tcmalloc where it is installed (the Train workers' runtime env).
         assert c.tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
         assert "references/test.yy" in tracking.list_artifacts(c.run_id, store)
-    # Both trials ran at once on the 2 CPUs.
-    (a, b) = sorted(children, key=lambda r: r.start_time)
+    # The first two trials ran at once on the 2 CPUs.
+    (a, b, _) = sorted(children, key=lambda r: r.start_time)
     assert b.start_time < a.end_time
     # The report is in MLflow and on disk.
     arts = tracking.list_artifacts(parents[0].run_id, store)

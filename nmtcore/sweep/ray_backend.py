@@ -551,6 +551,16 @@ def scheduler(space: SearchSpace, settings: SweepSettings, max_epochs: int, cell
                          reduction_factor=settings.reduction_factor, stop_last_trials=False)
 
 
+def reuse_trial_actors(trial_scheduler: Any) -> bool:
+    """Whether a trial's Tune actor runs the next trial too (Tune's ``reuse_actors``), sparing each further
+    trial the start of a process that imports torch, MLflow and Ray Train (6-7 s on 2 cores, README "What a
+    sweep costs a trial"). Only under FIFO, where a trial ends when its function returns, i.e. once its Train
+    run has finished: a trial stopped early (ASHA) leaves its function blocked in ``TorchTrainer.fit``, and a
+    reused actor would keep that Train run going and fail to reset for the next trial (Tune errors that trial).
+    A trial that fails is never reused (Tune does not cache its actor)."""
+    return type(trial_scheduler) is FIFOScheduler  # ASHA and Tune's other early stoppers derive from it
+
+
 def preview_samples(space: SearchSpace, n: int, seeds: int = 1, base_seed: int = 1,
                     optuna_seed: int = 0) -> list[dict[str, Any]]:
     """The first ``n`` trial configs the sweep's own search algorithm generates (no trial runs): grid
@@ -1042,16 +1052,18 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
         _replace_callbacks(tuner, [callback, console])
         _set_concurrency(tuner, max_concurrent)
     else:
+        trial_scheduler = scheduler(space, settings, max_epochs, cells)
         tuner = tune.Tuner(
             trainable, param_space=pspace,
             tune_config=tune.TuneConfig(
                 metric=space.metric, mode=space.mode,
                 search_alg=search_algorithm(space, settings, max_concurrent, cells),
-                scheduler=scheduler(space, settings, max_epochs, cells),
+                scheduler=trial_scheduler,
                 num_samples=num_samples(space, settings, cells),
                 # A trial's own reservation holds no CPU (DRIVER_RESOURCES): without this cap Tune would start
                 # every trial at once and the surplus would wait for worker CPUs until they time out.
-                max_concurrent_trials=None if cells else max_concurrent, reuse_actors=False,
+                max_concurrent_trials=None if cells else max_concurrent,
+                reuse_actors=reuse_trial_actors(trial_scheduler),
                 trial_name_creator=_TrialNames(space, ctx.base_seed), trial_dirname_creator=_trial_name),
             run_config=tune.RunConfig(name=name, storage_path=str(Path(exp_dir).parent) if not is_uri(exp_dir)
                                       else exp_dir.rsplit("/", 1)[0],
