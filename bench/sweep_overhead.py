@@ -14,7 +14,10 @@ Three overheads are reported:
   ``run_experiment`` (measured by the trial itself): immune to load drifting between the two runs. Printed
   for each trial: the sweep runs ``--trials`` seeds of the trial (default 2), and at ``--threads`` equal to
   the core count they run one after another, the second in the first one's Tune actor (FIFO sweeps reuse
-  it: ``ray_backend.reuse_trial_actors``), so "further trials" is what every trial after the first pays.
+  it: ``ray_backend.reuse_trial_actors``). For a further trial the figure is the time from the previous
+  trial's end to its own (MLflow's end times of their runs) less its time in the trainer: what every trial
+  after the first adds to a sweep, the start of any process it needs included (Tune's ``time_total_s``
+  starts once the trial's actor is up).
 
 Runs are ordered direct, sweep, sweep, direct (``--repeat 2``) so a drift in machine load hits both
 sides alike; the load average is recorded. Both ways must give the same test BLEU (same trial).
@@ -82,6 +85,7 @@ def main() -> int:
     loads = [os.getloadavg()[0]]
     direct_walls, sweep_walls, trial_walls, inside_walls, bleus = [], [], [], [], set()
     further_outside: list[float] = []  # outside the trainer, each trial after a sweep's first
+    at_once = max(1, (os.cpu_count() or 1) // args.threads)  # trials the sweep runs together
     # ABBA order: a drift in machine load during the run hits both sides alike.
     for i, side in enumerate(["direct", "sweep", "sweep", "direct"][: 2 * args.repeat] if args.repeat > 1
                              else ["direct", "sweep"]):
@@ -91,7 +95,7 @@ def main() -> int:
             direct_walls.append(time.perf_counter() - t0)
             bleus.add(round(next(iter(direct.test.values())).bleu, 4))
             torch.set_num_threads(max(1, os.cpu_count() or 1))
-        else:  # the same trial as a one-trial sweep (the grid's only point is the config's own d_model)
+        else:  # the same trial as a sweep's first (the grid's only point is the config's own d_model)
             space = SearchSpace("bench", "one", None, params={"model.d_model": grid((cfg.model.d_model,))},
                                 metric="valid_loss", mode="min")
             settings = sweep_settings.SweepSettings(name=f"overhead{i}", storage=str(work / "ray"),
@@ -106,21 +110,22 @@ def main() -> int:
             for trial in result.trials:
                 child = tracking.get_run(trial.run_id, result.tracking_uri)
                 children[child.start_time] = (trial, child)
-            for n, (_, (trial, child)) in enumerate(sorted(children.items())):
-                wall, inside = float(trial.metrics.get("time_total_s", float("nan"))), child.metrics["cost/wall_s"]
-                if n:
-                    further_outside.append(wall - inside)
-                    continue
-                trial_walls.append(wall)  # the sweep's first trial: the direct run's seed
-                inside_walls.append(inside)
-                bleus.add(round(child.metrics[f"test/{cfg.data.test_splits[0]}/bleu"], 4))
+            (first, first_child), *later = [children[k] for k in sorted(children)]
+            trial_walls.append(float(first.metrics.get("time_total_s", float("nan"))))  # the direct run's seed
+            inside_walls.append(first_child.metrics["cost/wall_s"])
+            previous_end = first_child.end_time
+            for _, child in later if at_once == 1 else []:
+                # From the previous trial's end to this one's (its actor's start included, which Tune's
+                # time_total_s leaves out), less its time in the trainer. Trials one after another only.
+                further_outside.append((child.end_time - previous_end) / 1000 - child.metrics["cost/wall_s"])
+                previous_end = child.end_time
+            bleus.add(round(first_child.metrics[f"test/{cfg.data.test_splits[0]}/bleu"], 4))
         loads.append(os.getloadavg()[0])
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs)
 
     d, s, t, inside = mean(direct_walls), mean(sweep_walls), mean(trial_walls), mean(inside_walls)
-    at_once = max(1, (os.cpu_count() or 1) // args.threads)
     waves = -(-args.trials // at_once)
     out = {
         "device": f"{os.cpu_count()} CPU cores, torch threads per trial {args.threads}, nice {os.nice(0)}",
