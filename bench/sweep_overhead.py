@@ -7,8 +7,8 @@ Three overheads are reported:
 * **end to end**: ``run_sweep`` wall time (Ray cluster start, data pre-check, MLflow parent run,
   Tune, the Train worker group, per-epoch checkpoint upload, MLflow child logging, report) minus the
   direct run's wall time once per wave of trials (the trials that fit the cores at once run together);
-* **per trial**: the first Tune trial's own wall time (from its actor's start to its last report) minus
-  the direct run's.
+* **per trial**: the first Tune trial's own wall time (Tune's ``time_total_s``: from its actor's setup, after
+  the process started, to its last report) minus the direct run's.
 
 * **outside the trainer**: in the same sweep, the Tune trial's wall time minus the time spent inside
   ``run_experiment`` (measured by the trial itself): immune to load drifting between the two runs. Printed
