@@ -13,8 +13,9 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
   blocks of 5 updates on the same batches (``--cache-rounds`` blocks each way).
 - ``decode_speed``: PLM-sponsored beam-5 sentences/s against the baseline's.
 - ``finetune_memory``: peak memory of the fine-tuned BERT trials against the baseline trial's.
-- ``sweep_overhead``: one trial run directly and as the first of a two-seed sweep (2 threads, ``--sweep-updates``
-  updates; the second seed runs in the first one's Tune actor: what each further trial pays outside the trainer).
+- ``sweep_overhead``: one trial run directly and as the first of a two-seed sweep (2 threads, at most
+  ``--sweep-updates`` updates in ``--sweep-epochs`` epochs; the second seed runs in the first one's Tune actor:
+  what each further trial pays outside the trainer).
 
 Load: for each step, the 1-minute load average at its start and end, and ``others_cores``: the CPU the machine
 spent outside the step's own processes over the step's wall time, in cores (``/proc/stat`` busy time minus the
@@ -83,7 +84,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
         "finetune_memory": ([py, str(BENCH / "finetune_memory.py"), "--data-dir", data, "--threads",
                              str(args.threads), "--updates", str(args.memory_updates)], {}),
         "sweep_overhead": ([py, str(BENCH / "sweep_overhead.py"), "--data-dir", data, "--threads", str(args.threads),
-                            "--repeat", "1", "--max-updates", str(args.sweep_updates), "--out", str(out)], {}),
+                            "--repeat", "1", "--epochs", str(args.sweep_epochs),
+                            "--max-updates", str(args.sweep_updates), "--out", str(out)], {}),
     }
 
 
@@ -163,7 +165,11 @@ def main() -> int:
     p.add_argument("--cache-rounds", type=int, default=8, help="bert_cache: blocks of 5 updates each way")
     p.add_argument("--decode-sentences", type=int, default=500)
     p.add_argument("--memory-updates", type=int, default=20)
-    p.add_argument("--sweep-updates", type=int, default=100, help="the swept trial's updates (>= 2 minutes)")
+    p.add_argument("--sweep-updates", type=int, default=100,
+                   help="the swept trial's updates, 0 = whole --sweep-epochs (the bar asks for >= 2 minutes)")
+    p.add_argument("--sweep-epochs", type=int, default=1,
+                   help="the swept trial's epochs of multi30k_small (~300 updates each): on a fast machine "
+                        "--sweep-updates 0 --sweep-epochs 3 makes a trial of over 2 minutes")
     args = p.parse_args()
     steps = args.steps.split(",")
     unknown = sorted(set(steps) - set(STEPS))
