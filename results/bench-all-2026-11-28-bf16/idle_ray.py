@@ -18,10 +18,10 @@ def direct(tag):
     t0 = time.perf_counter(); run_experiment(cfg.with_overrides({"output_dir": str(work / tag)}), resume=False)
     print(tag, round(time.perf_counter() - t0, 1), flush=True)
 direct("alone1")
-from nmtcore.sweep.ray_backend import init_ray
+from nmtcore.sweep.ray_backend import init_ray, shutdown_ray
 init_ray(num_cpus=2)
 time.sleep(10)
 direct("with_ray1")
 direct("with_ray2")
-import ray; ray.shutdown(); time.sleep(3)
+shutdown_ray(); time.sleep(3)
 direct("alone2")
