@@ -142,9 +142,9 @@ def interleaved_decoding(args, precision: str) -> dict[str, float]:
     """Both decoders, each in a fresh process, one after the other for ``--decode-rounds`` rounds (the order flipping
     every round): fairseq-generate on the peer's quality checkpoint (``--peer-dir``), nmtcore on its own. The peer
     script's decode and ours otherwise run some twenty minutes apart, and on the 2-core VMs here a fresh process's
-    decoding drifts by more than the bar's margin over a run (nmtcore's beam 5 at 280-299 sentences/s on a machine
-    idle for hours, 216-230 after forty minutes of benches, fairseq's 134-136 against 127, on 2026-11-29), so this
-    is the side-by-side figure; the per-round ratios show the spread."""
+    decoding drifts by more than the bar's margin over a run (on 2026-11-29, same code and checkpoint: nmtcore's beam
+    5 at 280-299 sentences/s at the session's start, 216-230 after forty minutes of benches; fairseq's at 125-136
+    throughout), so this is the side-by-side figure; the per-round ratios show the spread."""
     peer_dir = Path(args.peer_dir)
     rounds = []
     for i in range(args.decode_rounds):
