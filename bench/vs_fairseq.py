@@ -124,11 +124,14 @@ def decode_fresh(args, precision: str, echo: bool = True) -> dict[str, dict]:
     return figures
 
 
+PEER_CHECKPOINT = "runs/qual/checkpoint_best.pt"  # the peer script's quality run, under its $PEER
+
+
 def peer_generate(peer_dir: Path, beam: int, threads: int) -> float:
     """The peer script's decode of its quality run (``fairseq-generate``, same flags and threads) run once more;
     returns its sentences/s."""
     cmd = [str(peer_dir / "venv_fairseq" / "bin" / "fairseq-generate"), "data/fs-bin", "--path",
-           "runs/qual/checkpoint_best.pt", "--cpu", "--gen-subset", "test", "--beam", str(beam), "--batch-size", "128",
+           PEER_CHECKPOINT, "--cpu", "--gen-subset", "test", "--beam", str(beam), "--batch-size", "128",
            "--max-len-a", "1.2", "--max-len-b", "10", "--post-process", "sentencepiece"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, cwd=peer_dir, env=env, capture_output=True, text=True)
@@ -240,7 +243,7 @@ def main() -> int:
                 ratios["greedy_sent_per_s"] = r["qual_greedy"]["sent_per_s"] / float(q["decode_sent_per_s_greedy"])
             print(f"ratio nmtcore[{precision}]/fairseq: " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
     if args.decode_rounds > 0 and not args.skip_qual:
-        checkpoint = Path(args.peer_dir) / "runs" / "qual" / "checkpoint_best.pt"
+        checkpoint = Path(args.peer_dir) / PEER_CHECKPOINT
         if not checkpoint.is_file():
             print(f"interleaved decoding skipped: no peer quality checkpoint {checkpoint} (run the peer script with "
                   "QUALITY_UPDATES=500, or pass --peer-dir)", flush=True)
@@ -248,8 +251,8 @@ def main() -> int:
             for precision, r in results.items():
                 inter = r["interleaved_decoding"] = interleaved_decoding(args, precision)
                 print(f"ratio nmtcore[{precision}]/fairseq interleaved ({args.decode_rounds} rounds, median; range): "
-                      + " ".join(f"{k}={inter[k]:.3f} ({inter[k.split('_')[0] + '_min']:.2f}-"
-                                 f"{inter[k.split('_')[0] + '_max']:.2f})" for k in ("beam5_sent_per_s", "greedy_sent_per_s")),
+                      + " ".join(f"{kind}_sent_per_s={inter[kind + '_sent_per_s']:.3f} ({inter[kind + '_min']:.2f}-"
+                                 f"{inter[kind + '_max']:.2f})" for kind in ("beam5", "greedy")),
                       flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
