@@ -215,3 +215,29 @@ def test_a_cached_memory_is_projected_once_and_stored_contiguous() -> None:
     with torch.no_grad():
         torch.testing.assert_close(layer(x, memory, None, cache=cache, name="bert"), layer(x, memory, None))
 
+
+def test_fp32_decoding_caches_only_for_bf16_cpu_steps_outside_autograd_with_wide_heads() -> None:
+    """:func:`~nmtcore.nn.layers.wide_decoding_cache`: beam search's bf16 autocast on the CPU, no autograd, heads of
+    at least 64 dimensions (where fp32 single-query products pay for the wider cache); a SelfAttention step then
+    stores its keys/values in fp32."""
+    from nmtcore.nn import SelfAttention
+    from nmtcore.nn.layers import wide_decoding_cache
+
+    wide, narrow = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 32)
+    with torch.no_grad():
+        assert not wide_decoding_cache(wide)  # fp32: nothing to widen
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert wide_decoding_cache(wide) and not wide_decoding_cache(narrow)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not wide_decoding_cache(wide)  # autograd (training): the cache stays in the graph's dtype
+
+    attn = SelfAttention(128, 2, 0.0).eval()  # 2 heads of 64
+    x = torch.randn(3, 1, 128)
+    for grad, x_dtype, dtype in ((False, torch.float32, torch.float32), (False, torch.bfloat16, torch.float32),
+                                 (True, torch.float32, torch.bfloat16)):
+        cache = LayerCache()
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(2):
+                y = attn(x.to(x_dtype), causal=True, cache=cache)
+        assert cache.self_k.dtype == cache.self_v.dtype == dtype and cache.self_k.shape == (3, 2, 2, 64)
+        assert y.shape == (3, 1, 128) and y.dtype == torch.bfloat16  # the output projection under autocast

@@ -55,6 +55,36 @@ def test_cached_decoding_equals_teacher_forcing(case, small_batch):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+def test_cached_decoding_in_bf16_with_fp32_self_attention_caches_equals_teacher_forcing(case, small_batch,
+                                                                                       monkeypatch):
+    """Beam search's bf16 autocast on the CPU: every decoder self-attention keeps its prefix in fp32 and attends a
+    single new position in fp32 (:func:`nmtcore.nn.layers.wide_decoding_cache`, here for any head width, so the
+    tiny models take that path); the steps give the teacher-forced logits within bf16 tolerance (models whose
+    decoders have no :class:`~nmtcore.nn.SelfAttention`, BERT-JAM's joint attention, check the latter only)."""
+    from nmtcore.nn import SelfAttention, layers
+
+    monkeypatch.setattr(layers, "WIDE_CACHE_MIN_HEAD_DIM", 1)
+    model = tiny_model(case).eval()
+    small_batch = with_inputs(model, small_batch)
+    self_caches = []
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.register_forward_pre_hook(lambda m, args, kwargs: self_caches.append(kwargs.get("cache")),
+                                             with_kwargs=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(small_batch).logits.float()  # (B, T, V)
+        enc = model.encode(small_batch)
+        state = model.init_state(enc)
+        self_caches.clear()
+        steps = [model.decode_step(small_batch.tgt_in[:, t : t + 1], enc, state).float()
+                 for t in range(small_batch.tgt_in.size(1))]
+    grown = [c for c in self_caches if c is not None]
+    assert all(c.self_k.dtype == c.self_v.dtype == torch.float32 for c in grown)
+    assert grown or type(model).__name__ == "BertJam"  # whose decoder attends through JointAttention only
+    torch.testing.assert_close(torch.stack(steps, 1), full, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_state_reorder_follows_beams(case, small_batch):
     model = tiny_model(case).eval()
     small_batch = with_inputs(model, small_batch)
