@@ -93,7 +93,7 @@ class JointAttention(nn.Module):
             pad_r = ~x_mask[:, None, None, :]  # (B, 1, 1, t)
             allowed_r = pad_r if allowed_r is None else allowed_r & pad_r  # (B, 1, T, t)
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
-        # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), one softmax over both (Eq. 6-7); never concatenated.
+        # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), one softmax over both (Eq. 6-7), by attend_parts.
         y = attend_parts(q, [(k, v, allowed_r), (k_s, v_s, allowed_s)],
                          self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)

@@ -316,7 +316,7 @@ class CoordinatorAttention(nn.Module):
         # decoding step) sees every target so far: no mask.
         allowed_s = (~src_mask)[:, None, None, :]  # (B, 1, 1, S)
         causal = causal_mask(t_q, t_k, x.device) if t_q > 1 else None  # (T, t)
-        parts = [(k_s, v_s, allowed_s), (k_t, v_t, causal), (k_h, v_h, causal)]  # r_all, never concatenated
+        parts = [(k_s, v_s, allowed_s), (k_t, v_t, causal), (k_h, v_h, causal)]  # r_all
         y = attend_parts(q, parts, self.attention_dropout if self.training else 0.0)
         return self.out(merge_heads(y))  # (B, T, C)
 
