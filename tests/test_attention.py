@@ -61,7 +61,7 @@ def test_attention_dropout_zeroes_probabilities_and_keeps_the_expectation() -> N
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("t_q,t_mem", [(1, 7), (6, 7), (6, 70)])  # a decoding step (per part); training; fp32 → SDPA
+@pytest.mark.parametrize("t_q,t_mem", [(1, 7), (6, 7), (6, 70)])  # a step (per part); training; fp32: SDPA
 def test_attention_over_parts_equals_attention_over_their_concatenation(
     dtype: torch.dtype, tol: float, t_q: int, t_mem: int
 ) -> None:

@@ -242,7 +242,7 @@ class SelfAttention(nn.Module):
                 k, v = cache.grow(k.float(), v.float())  # (B, H, t+1, Dh), fp32: see wide_decoding_cache
                 if q.size(2) == 1:
                     with torch.autocast(x.device.type, enabled=False):
-                        y = attend(q.float(), k, v, mask, False, 0.0)  # (B, H, 1, Dh) fp32
+                        y = attend(q.float(), k, v, mask, False, self.attention_dropout if self.training else 0.0)
                     return self.out(merge_heads(y))
             else:
                 k, v = cache.grow(k, v)  # (B, H, t+1, Dh)
