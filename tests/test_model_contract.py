@@ -61,6 +61,7 @@ def test_cached_decoding_in_bf16_with_fp32_self_attention_caches_equals_teacher_
     single new position in fp32 (:func:`nmtcore.nn.layers.wide_decoding_cache`, here for any head width, so the
     tiny models take that path); the steps give the teacher-forced logits within bf16 tolerance (models whose
     decoders have no :class:`~nmtcore.nn.SelfAttention`, BERT-JAM's joint attention, check the latter only)."""
+    from nmtcore.models.bert_jam import BertJam
     from nmtcore.nn import SelfAttention, layers
 
     monkeypatch.setattr(layers, "WIDE_CACHE_MIN_HEAD_DIM", 1)
@@ -80,7 +81,7 @@ def test_cached_decoding_in_bf16_with_fp32_self_attention_caches_equals_teacher_
                  for t in range(small_batch.tgt_in.size(1))]
     grown = [c for c in self_caches if c is not None]
     assert all(c.self_k.dtype == c.self_v.dtype == torch.float32 for c in grown)
-    assert grown or type(model).__name__ == "BertJam"  # whose decoder attends through JointAttention only
+    assert grown or isinstance(model, BertJam)  # whose decoder attends through JointAttention only
     torch.testing.assert_close(torch.stack(steps, 1), full, atol=0.1, rtol=0.05)
 
 

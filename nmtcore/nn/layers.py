@@ -236,18 +236,17 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 × (B, T, C)
         q, k, v = split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads)
         mask = key_padding_to_attn_mask(key_padding_mask)
+        dropout_p = self.attention_dropout if self.training else 0.0
         if cache is not None:
             # Incremental decoding: x holds only the new position(s); attend to the whole prefix.
-            if wide_decoding_cache(q):
-                k, v = cache.grow(k.float(), v.float())  # (B, H, t+1, Dh), fp32: see wide_decoding_cache
-                if q.size(2) == 1:
-                    with torch.autocast(x.device.type, enabled=False):
-                        y = attend(q.float(), k, v, mask, False, self.attention_dropout if self.training else 0.0)
-                    return self.out(merge_heads(y))
-            else:
-                k, v = cache.grow(k, v)  # (B, H, t+1, Dh)
+            wide = wide_decoding_cache(q)  # the prefix in fp32, a single query attended in fp32: see there
+            k, v = cache.grow(k.float(), v.float()) if wide else cache.grow(k, v)  # (B, H, t+1, Dh)
+            if wide and q.size(2) == 1:
+                with torch.autocast(x.device.type, enabled=False):
+                    y = attend(q.float(), k, v, mask, False, dropout_p)  # (B, H, 1, Dh) fp32
+                return self.out(merge_heads(y))
             causal = causal and q.size(2) > 1
-        y = attend(q, k, v, mask, causal, self.attention_dropout if self.training else 0.0)  # (B, H, T, Dh)
+        y = attend(q, k, v, mask, causal, dropout_p)  # (B, H, T, Dh)
         return self.out(merge_heads(y))
 
 
