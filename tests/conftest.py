@@ -55,10 +55,13 @@ def small_batch():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster (2 CPUs, no dashboard) for the module, its session files cleaned after."""
+    from nmtcore.allocator import allocator_choice, preload_env
     from nmtcore.sweep import ray_backend
 
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are length-limited
-    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False)
+    # As a sweep starts one: the allocator's preload for the workers that train (one-worker trials: their actors).
+    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False,
+                         worker_env=preload_env(allocator_choice()))
     yield
     ray_backend.shutdown_ray()
     shutil.rmtree(temp, ignore_errors=True)

@@ -184,7 +184,9 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
         epochs = tracking.get_run_metrics(c.run_id, store)["valid_loss"]
         assert [step for step, _ in epochs] == [1, 2]
         assert c.tags["nmtcore.node_ids"] and c.tags["varied.model.d_model"] in ("32", "48", "64")
-        # Its worker process was started on tcmalloc where it is installed (the Train workers' runtime env).
+        # One worker, no GPU: it trained in its Tune actor, started on tcmalloc where it is installed (the
+        # runtime env the cluster was started with, as a sweep starts one).
+        assert c.tags[ray_backend.TRIAL_PROCESS_TAG] == "tune actor"
         assert c.tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
         assert "references/test.yy" in tracking.list_artifacts(c.run_id, store)
     # The first two trials ran at once on the 2 CPUs.
@@ -239,6 +241,7 @@ def test_ddp_trial_with_two_workers(ray_cluster, store, tmp_path):
     assert trial.status == "TERMINATED" and len(trial.node_ids) == 2
     (child,) = [r for r in tracking.load_runs("ddp", store) if r.parent_run_id]
     assert child.tags["nmtcore.world_size"] == "2" and child.status == "FINISHED"
+    assert child.tags[ray_backend.TRIAL_PROCESS_TAG] == "train workers"
     assert child.params["train.num_threads"] == "1"  # 2 CPUs over 2 workers
     assert "test/test/bleu" in child.metrics
 

@@ -1,8 +1,9 @@
 """Faults from outside a trial's own code (slow: minutes each), on one local Ray cluster (2 CPUs) per module:
 
-* a Ray Train worker killed with SIGKILL by another process in the middle of an epoch: Tune retries the
-  trial from its last checkpoint into the same MLflow child run, and the resumed trial's results equal
-  those of an uninterrupted trial with the same config and seed, bit for bit;
+* the process that trains (a one-worker trial's Tune actor, or its Ray Train worker with
+  ``trial_in_actor=False``) killed with SIGKILL by another process in the middle of an epoch: Tune retries the
+  trial from its last checkpoint (Tune's, or Train's) into the same MLflow child run, and the resumed trial's
+  results equal those of an uninterrupted trial with the same config and seed, bit for bit;
 * an out-of-memory error raised inside one trial: that trial ends ERROR in Tune and FAILED in MLflow
   with the error in its tags, while the other trial completes;
 * load: 12 trials queued on 2 CPUs all complete, none duplicated or lost, within a memory bound.
@@ -44,8 +45,8 @@ def counts(expected_keys: set[str], children: list[tracking.RunRecord]) -> dict[
 
 # ------------------------------------------------------------------------------- 1. SIGKILL of a worker
 class ParkInEpoch2(Callback):
-    """At the first log past the middle of epoch 2 (once per sweep: the pid file is the marker), write this
-    Train worker's pid and wait to be killed, so the test's SIGKILL lands mid-epoch. Training is untouched."""
+    """At the first log past the middle of epoch 2 (once per sweep: the pid file is the marker), write the
+    training process's pid and wait to be killed, so the test's SIGKILL lands mid-epoch. Training is untouched."""
 
     def __init__(self, pid_file: str, wait_s: float = 120.0) -> None:
         self.pid_file, self.wait_s = pid_file, wait_s
@@ -82,43 +83,51 @@ def _kill_when_parked(pid_file: Path, store_uri: str, experiment: str, seen: dic
         seen["error"] = repr(e)
 
 
-def test_sigkilled_worker_resumes_and_matches_an_uninterrupted_trial(ray_cluster, store, tmp_path, deadline):
-    space = SearchSpace("sigkill", "t", "transformer", params={"model.d_model": grid((32,))})
+@pytest.mark.parametrize("in_actor", [True, False], ids=["tune-actor", "train-worker"])
+def test_sigkilled_trainer_resumes_and_matches_an_uninterrupted_trial(in_actor, ray_cluster, store, tmp_path,
+                                                                      deadline):
+    name = "sigkill" if in_actor else "sigkill-w"
+    space = SearchSpace(name, "t", "transformer", params={"model.d_model": grid((32,))})
     base = tiny_base(tmp_path, **{"train.max_epochs": 3})
     t0 = time.perf_counter()
-    ref = driver.run_sweep(space, base, tiny_settings(tmp_path / "ref", "sigkill-ref", store, max_failures=2),
+    # The reference trains in its Tune actor (the default) either way: the process must not change a bit.
+    ref = driver.run_sweep(space, base, tiny_settings(tmp_path / "ref", f"{name}-ref", store, max_failures=2),
                           log_to_driver=False)
     t_ref = time.perf_counter() - t0
 
     pid_file = tmp_path / "worker.json"
     seen: dict = {}
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_when_parked, args=(pid_file, store, "sigkill", seen, stop), daemon=True)
+    killer = threading.Thread(target=_kill_when_parked, args=(pid_file, store, name, seen, stop), daemon=True)
     killer.start()
     t0 = time.perf_counter()
     try:
-        result = driver.run_sweep(space, base, tiny_settings(tmp_path / "kill", "sigkill", store, max_failures=2),
+        result = driver.run_sweep(space, base, tiny_settings(tmp_path / "kill", name, store, max_failures=2,
+                                                             trial_in_actor=in_actor),
                                  trial_callbacks=[ParkInEpoch2(str(pid_file))], log_to_driver=False)
     finally:
         stop.set()
         killer.join(timeout=60)
     t_kill = time.perf_counter() - t0
 
-    # The kill happened from outside, to a Train worker, while epoch 2 was running (epoch 1 logged, 2 not).
+    # The kill happened from outside, to the trial's Tune actor or its Train worker, while epoch 2 was running
+    # (epoch 1 logged, 2 not).
     assert seen.get("killed") and "error" not in seen, seen
-    assert "ray::" in seen["title"] and "TrainWorker" in seen["title"], seen
+    assert "ray::" in seen["title"] and ("ImplicitFunc" if in_actor else "TrainWorker") in seen["title"], seen
     assert seen["epoch"] == 2 and seen["valid_loss_steps_at_kill"] == [1], seen
 
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"]
-    (child,) = runs_of("sigkill", store)[1]
-    (ref_child,) = runs_of("sigkill-ref", store)[1]
+    (child,) = runs_of(name, store)[1]
+    (ref_child,) = runs_of(f"{name}-ref", store)[1]
+    assert child.tags[ray_backend.TRIAL_PROCESS_TAG] == ("tune actor" if in_actor else "train workers")
+    assert ref_child.tags[ray_backend.TRIAL_PROCESS_TAG] == "tune actor"
     assert child.tags[lifecycle.TRIAL_KEY_TAG] == ref_child.tags[lifecycle.TRIAL_KEY_TAG]  # same overrides, seed
     assert {k: v for k, v in child.params.items() if "output_dir" not in k and "save_dir" not in k} == \
            {k: v for k, v in ref_child.params.items() if "output_dir" not in k and "save_dir" not in k}
     assert child.status == "FINISHED" and child.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
     assert child.tags["nmtcore.attach_count"] == "2"  # the retry re-attached the same run
     assert tracking.FAILURE_REASON_TAG not in child.tags  # the crash's reason was cleared by the successful retry
-    c = counts({child.tags[lifecycle.TRIAL_KEY_TAG]}, runs_of("sigkill", store)[1])
+    c = counts({child.tags[lifecycle.TRIAL_KEY_TAG]}, runs_of(name, store)[1])
     assert c == {"expected": 1, "completed": 1, "duplicated": 0, "lost": 0}, c
 
     hist, ref_hist = tracking.get_run_metrics(child.run_id, store), tracking.get_run_metrics(ref_child.run_id, store)
@@ -311,8 +320,11 @@ def test_twelve_trials_queue_and_complete_without_loss(ray_cluster, store, tmp_p
     running = _max_overlap(children)
     assert 2 <= running <= fits, running  # queued: never more at once than fit, but more than one
     assert rss.samples >= 10 and rss.peak_procs >= 5, (rss.samples, rss.peak_procs)  # the sampler saw Ray
-    # Each running trial is 7 Ray processes (Tune actor, Train controller, worker and 4 helper actors).
-    assert rss.peak_kinds.get("ray::RayTrainWorker", 0) <= fits, rss.peak_kinds
+    # A one-worker trial trains in its Tune actor, which holds the trial's CPUs: never more training processes
+    # (Tune actors, and Train workers where trials use them) than trials fit.
+    training = sum(n for kind, n in rss.peak_kinds.items() if kind.startswith(("ray::ImplicitFunc",
+                                                                              "ray::RayTrainWorker")))
+    assert 1 <= training <= fits, rss.peak_kinds
     assert rss.peak_pss < 12 * GiB, rss.peak_pss / GiB  # the footprint: ~7.3 GiB measured
     assert rss.peak < 20 * GiB, rss.peak / GiB  # shared pages counted once per process: 11-12 GiB measured
     # No trial's processes outlive the sweep (they would hold memory until the cluster ends).

@@ -133,7 +133,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     dashboard_url = ray_backend.init_ray(
         settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
         log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)},
-        memory_gb=settings.memory_gb)
+        memory_gb=settings.memory_gb, worker_env=worker_env if settings.trial_in_actor else None)
     try:
         if settings.address:
             ray_backend.check_cluster(settings, base)
@@ -174,6 +174,13 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
                                                   "tracking_uri": parent.tracking_uri, "seeds": settings.seeds,
                                                   "base": base.to_dict()}, indent=1))
         workers = settings.workers_per_trial
+        # A one-worker CPU trial trains in its Tune actor where that actor starts on the trials' allocator (Ray was
+        # started here with its preload, or needs none); else in a Train worker, whose start takes the preload.
+        in_actor = settings.trial_in_actor and workers == 1 and not settings.gpus_per_trial
+        if in_actor and not ray_backend.workers_have(worker_env):
+            logging.getLogger("nmtcore.sweep").info("trials train in Ray Train workers: this Ray connection's workers do not preload %s",
+                     worker_env.get("LD_PRELOAD"))
+            in_actor = False
         ctx = ray_backend.SweepContext(
             name=settings.name, space=space, base=base, base_seed=base.train.seed,
             tracking_uri=parent.tracking_uri, parent_run_id=parent.run_id,
@@ -185,7 +192,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
             bert_footprints=footprints, trial_memory_bytes=trial_bytes,
             borrow_idle_cpus=settings.borrow_idle_cpus and workers == 1 and not settings.gpus_per_trial,
-            borrow_check_s=settings.borrow_check_s, worker_env=worker_env)
+            borrow_check_s=settings.borrow_check_s, worker_env=worker_env,
+            in_actor=in_actor)
 
         interrupted = True
         report_files: list[str] = []

@@ -14,7 +14,9 @@ seen that every node reaches the storage, the data and MLflow.
 (:mod:`nmtcore.sweep.pre_sweep`) once, as a named Ray task on the driver's node, and streams its progress.
 
 **The search.** A sweep's trials run as one Ray Tune search whose trials each run the unchanged nmtcore
-trainer inside a Ray Train ``TorchTrainer`` (:class:`TrialTrainer`: without the helper actors it does not use)::
+trainer inside a Ray Train ``TorchTrainer`` (:class:`TrialTrainer`: without the helper actors it does not use),
+or, for a one-worker CPU trial (``trial_in_actor``, the default), in the Tune trial actor itself: the same
+``_train_loop``, reporting to Tune directly, without a Train controller and worker process of its own::
 
     driver (nmtcore.sweep.driver)     Tune trial actor (_trial_main)      Train workers (_train_loop)
     ─────────────────────────────     ──────────────────────────────      ───────────────────────────
@@ -30,7 +32,8 @@ more grid dimension); a space with ranges is sampled by Optuna's TPE, seeded, wi
 ``Repeater`` repeats. ASHA (on the validation metric, time in epochs) stops poor trials early.
 
 Where things run: the cluster above (by default a local one of all cores, bound to 127.0.0.1), trials as
-many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial; a trial's Tune actor reserves no CPU).
+many at once as fit (``cpus_per_trial``/``gpus_per_trial`` per trial: reserved by the Train workers, or by the
+Tune actor of a trial that trains in it).
 The work the trials share runs before them as named Ray tasks (:mod:`nmtcore.sweep.pre_sweep`).
 
 Failure policy: a crashing trial is retried by Tune (``max_failures``) from its last checkpoint; a trial
@@ -130,10 +133,22 @@ log = logging.getLogger("nmtcore.sweep")
 
 T = TypeVar("T")
 
-# The Tune trial actor only waits on its TorchTrainer: it reserves no CPU (Tune refuses an empty
-# reservation, so a little logical memory instead), and a trial's CPUs all go to its workers: 2 one-CPU
-# trials fit on 2 cores, and on two 1-CPU nodes, wherever Ray puts the trial actors.
+# A Tune trial actor whose trial runs Train workers only waits on them: it reserves no CPU (Tune refuses an
+# empty reservation, so a little logical memory instead), and a trial's CPUs all go to its workers: 2 one-CPU
+# trials fit on 2 cores, and on two 1-CPU nodes, wherever Ray puts the trial actors. A trial that trains in
+# its actor reserves its CPUs there (trial_actor_resources).
 DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
+
+
+def trial_actor_resources(ctx: SweepContext) -> dict[str, float]:
+    """What a trial's Tune actor reserves: :data:`DRIVER_RESOURCES`, plus the trial's CPUs, GPUs and memory
+    estimate where it trains itself (``ctx.in_actor``)."""
+    if not ctx.in_actor:
+        return dict(DRIVER_RESOURCES)
+    out = {"cpu": ctx.cpus_per_worker, "memory": DRIVER_RESOURCES["memory"] + ctx.trial_memory_bytes}
+    if ctx.gpus_per_worker:
+        out["gpu"] = ctx.gpus_per_worker
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -192,9 +207,12 @@ LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
              dashboard_host: str = "127.0.0.1", temp_dir: str | None = None, log_to_driver: bool = True,
-             env: Mapping[str, str] | None = None, memory_gb: float | None = None) -> str | None:
+             env: Mapping[str, str] | None = None, memory_gb: float | None = None,
+             worker_env: Mapping[str, str] | None = None) -> str | None:
     """Start a local Ray cluster (or join ``address``) unless this process is already connected;
-    returns the dashboard URL (``http://127.0.0.1:8265``) or None.
+    returns the dashboard URL (``http://127.0.0.1:8265``) or None. ``env`` is set here and in every Ray
+    process of the sweep; ``worker_env`` (an allocator's preload) only in the worker processes Ray starts for
+    it (trial actors that train, tasks), where it takes effect at their start.
 
     A local cluster is always a new one (never a ``ray start`` cluster found on the machine: joining one
     is what ``address`` is for), single-node, and bound to 127.0.0.1 (:func:`_loopback_only`). Its
@@ -205,7 +223,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     for k, v in env_vars.items():
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "runtime_env": {"env_vars": env_vars},
+        kwargs: dict[str, Any] = {"log_to_driver": log_to_driver,
+                                  "runtime_env": {"env_vars": {**env_vars, **(worker_env or {})}},
                                   "configure_logging": True, "logging_level": logging.WARNING}
         if address:
             ctx = ray.init(address=address, **kwargs)
@@ -260,6 +279,15 @@ def _loopback_only() -> Any:
             os.environ.pop(LOOPBACK_VAR, None)
         else:
             os.environ[LOOPBACK_VAR] = saved_env
+
+
+def workers_have(env: Mapping[str, str]) -> bool:
+    """Whether the workers Ray starts for this connection get every variable of ``env`` (the job's runtime
+    environment sets it): a trial actor can then train on the allocator a Train worker would have preloaded."""
+    if not env:
+        return True
+    job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    return all(job_env.get(k) == v for k, v in env.items())
 
 
 def shutdown_ray() -> None:
@@ -626,7 +654,8 @@ class TrialTrainer(TorchTrainer):
 
 
 def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
-    """One Tune trial: open (or re-attach) its MLflow child run, then train in a TorchTrainer."""
+    """One Tune trial: open (or re-attach) its MLflow child run, then train, here (``ctx.in_actor``) or in a
+    TorchTrainer's workers."""
     _poll_less()
     overrides = trial_overrides(ctx.space, config, ctx.base_seed)
     key = trial_key(overrides)
@@ -653,32 +682,16 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
     memory = trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg)))
     tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
-    # Ray reserves the estimate for each worker: trials beyond the node's memory wait, not crash.
-    resources = {"CPU": ctx.cpus_per_worker, "memory": memory.total}
-    if ctx.gpus_per_worker:
-        resources["GPU"] = ctx.gpus_per_worker
-    trainer = TrialTrainer(
-        _train_loop,
-        train_loop_config={"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri,
-                           "trial_key": key, "trial_id": trial_id, "test_split": ctx.test_split,
-                           "metric": ctx.metric,
-                           "threads": ctx.threads_per_worker, "borrow_idle_cpus": ctx.borrow_idle_cpus,
-                           "borrow_check_s": ctx.borrow_check_s,
-                           "gpus": ctx.gpus_per_worker * ctx.workers, "callbacks": list(ctx.trial_callbacks)},
-        scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers, use_gpu=ctx.gpus_per_worker > 0,
-                                               resources_per_worker=resources),
-        run_config=ray.train.RunConfig(
-            # A stable name per trial key: a retried trial resumes this Train run's last checkpoint.
-            name=f"{ctx.name}-{key}", storage_path=ctx.train_storage,
-            failure_config=ray.train.FailureConfig(max_failures=0,
-                                                   controller_failure_limit=ctx.controller_failure_limit),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
-            callbacks=[TuneReportCallback()],
-            # Set when each worker process starts: an allocator can only be preloaded then (nmtcore.allocator).
-            worker_runtime_env={"env_vars": dict(ctx.worker_env)} if ctx.worker_env else None),
-    )
+    loop_config = {"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri, "trial_key": key,
+                   "trial_id": trial_id, "test_split": ctx.test_split, "metric": ctx.metric,
+                   "threads": ctx.threads_per_worker, "borrow_idle_cpus": ctx.borrow_idle_cpus,
+                   "borrow_check_s": ctx.borrow_check_s, "gpus": ctx.gpus_per_worker * ctx.workers,
+                   "callbacks": list(ctx.trial_callbacks), "in_actor": ctx.in_actor}
     try:
-        trainer.fit()
+        if ctx.in_actor:  # this actor reserved the trial's CPUs and memory estimate (trial_actor_resources)
+            _train_loop(loop_config)
+        else:
+            _trainer(ctx, key, memory.total, loop_config).fit()
     except Exception as e:
         reason = failure_reason(e)
         oom = is_out_of_memory(reason)
@@ -697,14 +710,38 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         raise
 
 
+def _trainer(ctx: SweepContext, key: str, memory_bytes: int, loop_config: dict[str, Any]) -> TrialTrainer:
+    """The trial's Ray Train run: ``ctx.workers`` workers, each reserving its CPUs, GPUs and the memory
+    estimate (trials beyond the node's memory wait, not crash)."""
+    resources = {"CPU": ctx.cpus_per_worker, "memory": memory_bytes}
+    if ctx.gpus_per_worker:
+        resources["GPU"] = ctx.gpus_per_worker
+    return TrialTrainer(
+        _train_loop, train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers, use_gpu=ctx.gpus_per_worker > 0,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            # A stable name per trial key: a retried trial resumes this Train run's last checkpoint.
+            name=f"{ctx.name}-{key}", storage_path=ctx.train_storage,
+            failure_config=ray.train.FailureConfig(max_failures=0,
+                                                   controller_failure_limit=ctx.controller_failure_limit),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            callbacks=[TuneReportCallback()],
+            # Set when each worker process starts: an allocator can only be preloaded then (nmtcore.allocator).
+            worker_runtime_env={"env_vars": dict(ctx.worker_env)} if ctx.worker_env else None),
+    )
+
+
 class _RayReport(Callback):
-    """Reports every epoch's metrics to Ray Train (rank 0 adds the epoch checkpoint), and sums the
-    workers' CPU seconds at the end (all ranks take part in the all-reduce).
+    """Reports every epoch's metrics to Ray Train (rank 0 adds the epoch checkpoint), or to Tune where the
+    trial trains in its Tune actor (``in_actor``), and sums the workers' CPU seconds at the end (all ranks take
+    part in the all-reduce).
 
     Order matters: Tune's status table shows the first four metrics of the first results, so every report
     starts with ``epoch`` and the sweep's ``metric``."""
 
-    def __init__(self, metric: str = "") -> None:
+    def __init__(self, metric: str = "", in_actor: bool = False) -> None:
+        self.in_actor = in_actor
         self.cpu_s = 0.0
         self.metric = metric
         self.last_epoch: dict[str, float] = {}
@@ -715,35 +752,47 @@ class _RayReport(Callback):
         report = first_keys({k: float(v) for k, v in metrics.items()}, epoch=float(epoch), metric=self.metric)
         self.last_epoch = dict(report)
         if checkpoint is None:
-            ray.train.report(report)
+            self.report(report)
             return
         # Hard links (not copies) into a fresh directory Ray uploads and then deletes.
         tmp = Path(tempfile.mkdtemp(prefix="nmtcore-ckpt-"))
         for src in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
             if src.exists():
                 _link_or_copy(src, tmp / src.name)
-        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)),
-                         delete_local_checkpoint_after_upload=True)
+        if self.in_actor:  # Tune copies it into the trial's directory (CheckpointConfig keeps the last one)
+            tune.report(report, checkpoint=tune.Checkpoint.from_directory(str(tmp)))
+        else:
+            ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)),
+                             delete_local_checkpoint_after_upload=True)
         shutil.rmtree(tmp, ignore_errors=True)
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        (tune.report if self.in_actor else ray.train.report)(metrics)
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         self.cpu_s = all_reduce_sum(time.process_time() - self._cpu0)
 
 
+TRIAL_PROCESS_TAG = "nmtcore.trial_process"  # where a trial trained: its Tune actor, or Ray Train workers
+
+
 def _train_loop(lc: dict[str, Any]) -> None:
-    """Ray Train worker: the unchanged nmtcore experiment, reporting through callbacks."""
+    """A Ray Train worker, or the Tune trial actor itself (``lc["in_actor"]``; Ray refuses ``ray.train``'s
+    calls there): the unchanged nmtcore experiment, reporting through callbacks."""
     cfg = ensure_bert(lc["cfg"], threads=lc.get("threads"))  # made once by the driver; here it only resolves
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
+    in_actor = bool(lc.get("in_actor"))
+    rank = 0 if in_actor else ray.train.get_context().get_world_rank()
     node_ids = all_gather(ray.get_runtime_context().get_node_id())
-    _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"))
-    reporter = _RayReport(lc.get("metric", ""))
+    _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"),
+                              tune.get_checkpoint() if in_actor else ray.train.get_checkpoint())
+    reporter = _RayReport(lc.get("metric", ""), in_actor)
     callbacks: list[Callback] = [reporter]  # Ray first, then MLflow, then the caller's: an epoch is
     tracker: tracking.Tracker | None = None  # checkpointed and logged before user code can fail it
     if rank == 0:
         tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
         callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
-                                        {"nmtcore.tune_trial_id": lc["trial_id"]}))
+                                        {"nmtcore.tune_trial_id": lc["trial_id"],
+                                         TRIAL_PROCESS_TAG: "tune actor" if in_actor else "train workers"}))
     borrow = BorrowIdleCpus(single_node_idle_cpus, lc["borrow_check_s"]) if lc.get("borrow_idle_cpus") else None
     if borrow is not None:
         callbacks.append(borrow)
@@ -771,7 +820,7 @@ def _train_loop(lc: dict[str, Any]) -> None:
                       "node_ids": ",".join(node_ids)})
         if borrow is not None and tracker is not None:
             tracker.set_tags({"nmtcore.max_threads": borrow.max_threads})  # > train.num_threads: idle CPUs were used
-        ray.train.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
+        reporter.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
 
 
 TABLE_KEYS = ("valid_loss", "valid_bleu", "train_loss")  # after the sweep's metric, in Tune's table
@@ -786,10 +835,9 @@ def first_keys(metrics: Mapping[str, Any], epoch: float, metric: str) -> dict[st
     return out
 
 
-def _restore_train_checkpoint(save_dir: Path) -> None:
-    """Put Ray Train's latest checkpoint (a retried trial's, possibly from another node) into the
-    trainer's checkpoint directory unless a checkpoint at least as new is already there."""
-    ckpt = ray.train.get_checkpoint()
+def _restore_train_checkpoint(save_dir: Path, ckpt: Any) -> None:
+    """Put the latest checkpoint Ray holds for the trial (Train's or Tune's: a retried trial's, possibly from
+    another node) into the trainer's checkpoint directory unless a checkpoint at least as new is already there."""
     if ckpt is None:
         return
     with ckpt.as_directory() as d:
@@ -853,8 +901,11 @@ class _SweepCallback(tune.Callback):
             with contextlib.suppress(Exception):
                 err = trial.get_pickled_error()
                 reason = failure_reason(err) if err is not None else reason
+            # Ray's memory monitor killing a trial actor that trains (ctx.in_actor) ends the trial here, not
+            # in _trial_main: its retry must see the kind too, and end at once.
+            oom = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(reason) else {}
             end_trial(run.run_id, TrialState.FAILED, self.ctx.tracking_uri, reason=reason,
-                      tags={TUNE_STATUS_TAG: "ERROR"})
+                      tags={TUNE_STATUS_TAG: "ERROR", **oom})
             with contextlib.suppress(Exception):  # a run the worker already ended FAILED: say what Tune saw
                 tracking.set_run_tags(run.run_id, {TUNE_STATUS_TAG: "ERROR"}, self.ctx.tracking_uri)
         self._ended(trial, "ERROR", run)
@@ -1041,7 +1092,8 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     max_concurrent = min(settings.max_concurrent or fits, fits)
     callback = _SweepCallback(ctx, on_trial_end)
     console = _TrialsConsole(_TrialNames(space, ctx.base_seed), space.metric, max_epochs)
-    trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx), DRIVER_RESOURCES)
+    trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx),
+                                    trial_actor_resources(ctx))
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
     name = Path(exp_dir).name
     if restore and tune.Tuner.can_restore(exp_dir):
@@ -1068,6 +1120,8 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
             run_config=tune.RunConfig(name=name, storage_path=str(Path(exp_dir).parent) if not is_uri(exp_dir)
                                       else exp_dir.rsplit("/", 1)[0],
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),
+                                      # Trials training in their actor report epoch checkpoints to Tune.
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                       callbacks=[callback, console], verbose=settings.verbose))
     if before_fit is not None:
         before_fit()

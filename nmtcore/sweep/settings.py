@@ -46,6 +46,9 @@ class SweepSettings:
         early_stopping: ASHA on the space's metric; ``None`` = the space's default.
         grace_period / reduction_factor: ASHA's minimum epochs and halving rate.
         workers_per_trial: Train workers per trial (DDP when > 1).
+        trial_in_actor: a trial of one worker and no GPU trains in its Tune actor (no Ray Train controller and
+            worker of its own: ~10 s less per trial and fewer processes beside its threads); multi-worker (DDP)
+            and GPU trials always run Ray Train workers.
         borrow_idle_cpus: single-worker CPU trials on a single-node cluster raise their torch threads onto
             CPUs no Ray work holds and give them back when Ray hands them out (:mod:`nmtcore.sweep.idle_cpus`).
         cpus_per_trial / gpus_per_trial: resources of one trial, split evenly over its workers
@@ -87,6 +90,9 @@ class SweepSettings:
     gpus_per_trial: float = option(0.0, "GPUs of one trial; may be fractional (0.5: two trials per GPU)")
     borrow_idle_cpus: bool = option(True, "a running trial trains on more threads while CPUs of its (single) node "
                                           "are idle, e.g. in a sweep's last wave (nmtcore.sweep.idle_cpus)")
+    trial_in_actor: bool = option(True, "a one-worker CPU trial trains in its Tune trial actor instead of starting a "
+                                        "Ray Train controller and worker process of its own (README 'What a sweep "
+                                        "costs a trial')")
     borrow_check_s: float = 30.0  # how often a trial looks for idle CPUs (and for lent ones taken back)
     max_failures: int = option(2, "retries of a crashed trial from its checkpoint")
     controller_failure_limit: int = 2

@@ -93,6 +93,7 @@ class SweepContext:
     bert_footprints: Mapping[str, BertFootprint] = field(default_factory=dict)  # by plan.bert_key
     trial_memory_bytes: int = 0  # the largest trial's estimate (sets how many run at once)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # the training processes' (allocator preload)
+    in_actor: bool = False  # a one-worker CPU trial trains in its Tune actor (SweepSettings.trial_in_actor)
 
     def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
         """Tags of a trial's child run: the sweep, the study, its arm (:func:`arm_name`: the run name's), the
