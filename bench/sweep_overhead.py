@@ -1,11 +1,12 @@
 """What the sweep platform costs: one trial run directly (``run_experiment``, no tracking) against the
-same trial as the first of a sweep through Tune + Ray Train + MLflow, measured one after the other in one
+same trial as the first of a sweep through Tune + MLflow (a one-worker CPU trial trains in its Tune actor;
+``--no-trial-in-actor``: in a Ray Train worker, as every trial did before), measured one after the other in one
 run, and printed as the overhead in seconds and as a fraction of the direct trial's wall time.
 
 Three overheads are reported:
 
 * **end to end**: ``run_sweep`` wall time (Ray cluster start, data pre-check, MLflow parent run,
-  Tune, the Train worker group, per-epoch checkpoint upload, MLflow child logging, report) minus the
+  Tune, the trial's actor (or Train worker group), per-epoch checkpoint upload, MLflow child logging, report) minus the
   direct run's wall time once per wave of trials (the trials that fit the cores at once run together);
 * **per trial**: the first Tune trial's own wall time (Tune's ``time_total_s``: from its actor's setup, after
   the process started, to its last report) minus the direct run's.
@@ -26,11 +27,10 @@ Bar (issue 17): per-trial overhead <= 5% of the trial's wall time at 2 threads p
 >= 2 minutes.
 
 Threads: ``--threads`` (default 1, a sweep's per-trial layout on 2 cores) leaves room for Ray's control
-plane (GCS, raylet, dashboard, the Tune driver, the Train controller and its helper actors: about 0.16 of
-a core in steady state, measured on 2 cores). With ``--threads`` equal to the core count the trial's
-threads share every core with it, and the training loop inside the trial runs ~10-15% slower than the
-direct run: that is CPU contention, not work the platform adds (``trial_time_outside_trainer`` stays at
-~11 s either way).
+plane (GCS, raylet, dashboard, the Tune driver; with Train workers also the Train controller and its helper
+actors: about 0.16 of a core in steady state, measured on 2 cores). With ``--threads`` equal to the core count
+the trial's threads share every core with it, and the training loop inside the trial runs slower than the
+direct run (10-15% with Train workers): that is CPU contention, not work the platform adds.
 
     python bench/sweep_overhead.py --data-dir ../shared/data [--epochs 1] [--threads 1] [--out bench/out]
 """
@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="2: direct, sweep, sweep, direct (ABBA); 1: one each")
     ap.add_argument("--trials", type=int, default=2, help="seeds of the trial in each sweep (the first is compared "
                     "with the direct run)")
+    ap.add_argument("--trial-in-actor", action=argparse.BooleanOptionalAction, default=True,
+                    help="the sweep's one-worker trial trains in its Tune actor (the default) or in a Train worker")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     reexec_with_allocator()  # the direct run on the allocator the sweep's trial gets (nmtcore.allocator)
@@ -101,7 +103,7 @@ def main() -> int:
             settings = sweep_settings.SweepSettings(name=f"overhead{i}", storage=str(work / "ray"),
                                            tracking_uri=f"sqlite:///{work}/m.db", cpus_per_trial=float(args.threads),
                                            num_cpus=os.cpu_count(), dashboard=True, report_dir=str(work / f"r{i}"),
-                                           verbose=0, seeds=args.trials)
+                                           verbose=0, seeds=args.trials, trial_in_actor=args.trial_in_actor)
             t0 = time.perf_counter()
             result = driver.run_sweep(space, cfg.with_overrides({"output_dir": str(work / "unused")}), settings,
                                      log_to_driver=False)
@@ -130,7 +132,8 @@ def main() -> int:
     out = {
         "device": f"{os.cpu_count()} CPU cores, torch threads per trial {args.threads}, nice {os.nice(0)}",
         "load_average_1min": [round(x, 1) for x in loads],
-        "trial": {"preset": args.preset, "epochs": args.epochs, "max_updates": args.max_updates},
+        "trial": {"preset": args.preset, "epochs": args.epochs, "max_updates": args.max_updates,
+                  "trains_in": "its Tune actor" if args.trial_in_actor else "a Ray Train worker"},
         "same_test_bleu_both_ways": sorted(bleus),
         "direct_wall_s": [round(x, 1) for x in direct_walls],
         "sweep_wall_s": [round(x, 1) for x in sweep_walls],

@@ -12,8 +12,9 @@ process's speed (pages faulted in again) and its resident memory (freed memory k
   peak, left the baseline's as it was and was not slower (README, "The allocator for training"; jemalloc: smaller
   everywhere, the baseline's updates slower). An allocator cannot be swapped inside a running process, so the
   library is preloaded (``LD_PRELOAD``) into the processes that train: the ``nmtcore`` command re-executes
-  itself once (:func:`reexec_with_allocator`; training commands only) and a sweep passes it to its Train workers
-  and its baseline task through the Ray runtime environment (``SweepSettings.allocator``).
+  itself once (:func:`reexec_with_allocator`; training commands only) and a sweep passes it to the processes
+  that train (its trial actors or Train workers, its baseline task) through the Ray runtime environment
+  (``SweepSettings.allocator``).
 
 ``NMTCORE_ALLOCATOR`` (or a sweep's ``--allocator``) chooses: ``auto`` (default: tcmalloc where it is
 installed, else the C library's own), ``tcmalloc``, ``jemalloc``, ``system``, or a library's path. A library

@@ -189,6 +189,11 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
         assert c.tags[ray_backend.TRIAL_PROCESS_TAG] == "tune actor"
         assert c.tags["nmtcore.allocator"] == ("tcmalloc" if find_library("tcmalloc") else "system")
         assert "references/test.yy" in tracking.list_artifacts(c.run_id, store)
+    # Ray's daemons (started by the fixture's init_ray, as a sweep starts them) ran below the trials.
+    import psutil
+
+    daemons = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
+    assert len(daemons) == 2 and all(p.nice() == ray_backend.CONTROL_PLANE_NICE for p in daemons), daemons
     # The first two trials ran at once on the 2 CPUs.
     (a, b, _) = sorted(children, key=lambda r: r.start_time)
     assert b.start_time < a.end_time
@@ -262,6 +267,44 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     monkeypatch.setattr(ray_backend.ray, "available_resources", lambda: {"CPU": 1.0})
     monkeypatch.setattr(ray_backend.time, "monotonic", tick)
     assert ray_backend.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
+
+
+def test_the_control_plane_of_a_local_cluster_runs_below_its_trials(monkeypatch):
+    """The processes a local cluster's driver started (Ray's daemons) go to nice 19, every thread; Ray's workers
+    (``ray::…``: trials) keep theirs; on a cluster this process did not start, nothing changes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    fake_worker = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'ray::Trial', 0, 0, 0); "
+                   "print('up', flush=True); time.sleep(60)")
+    daemon = subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread(target=time.sleep, "
+                               "args=(60,)).start(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    worker = subprocess.Popen([sys.executable, "-c", fake_worker], stdout=subprocess.PIPE)
+    try:
+        assert daemon.stdout.readline() == b"up\n" and worker.stdout.readline() == b"up\n"
+        deadline = time.monotonic() + 10
+        while psutil.Process(worker.pid).name() != "ray::Trial" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        def nices(pid: int) -> set[int]:
+            return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
+
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        monkeypatch.setattr(ray_backend, "_local_cluster_pid", None)  # a joined cluster, or none
+        assert ray_backend.yield_control_plane() == 0 and nices(daemon.pid) == {base}
+        monkeypatch.setattr(ray_backend, "_local_cluster_pid", os.getpid())
+        assert ray_backend.yield_control_plane() >= 2  # the daemon's two threads at least
+        assert nices(daemon.pid) == {max(base, ray_backend.CONTROL_PLANE_NICE)}
+        assert nices(worker.pid) == {base}
+        assert ray_backend.yield_control_plane() == 0  # once is enough
+    finally:
+        for proc in (daemon, worker):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_local_cluster_runs_trials_without_ray_trains_preemption_watcher(monkeypatch):

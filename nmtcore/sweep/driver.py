@@ -178,8 +178,9 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         # started here with its preload, or needs none); else in a Train worker, whose start takes the preload.
         in_actor = settings.trial_in_actor and workers == 1 and not settings.gpus_per_trial
         if in_actor and not ray_backend.workers_have(worker_env):
-            logging.getLogger("nmtcore.sweep").info("trials train in Ray Train workers: this Ray connection's workers do not preload %s",
-                     worker_env.get("LD_PRELOAD"))
+            logging.getLogger("nmtcore.sweep").info(
+                "trials train in Ray Train workers: this Ray connection's workers do not preload %s",
+                worker_env.get("LD_PRELOAD"))
             in_actor = False
         ctx = ray_backend.SweepContext(
             name=settings.name, space=space, base=base, base_seed=base.train.seed,
