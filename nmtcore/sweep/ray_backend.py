@@ -822,6 +822,10 @@ def _train_loop(lc: dict[str, Any]) -> None:
     cfg = ensure_bert(lc["cfg"], threads=lc.get("threads"))  # made once by the driver; here it only resolves
     in_actor = bool(lc.get("in_actor"))
     rank = 0 if in_actor else ray.train.get_context().get_world_rank()
+    if in_actor and cfg.train.compile:  # a reused actor: compile afresh, as a new process would (no stale graphs)
+        import torch._dynamo
+
+        torch._dynamo.reset()
     node_ids = all_gather(ray.get_runtime_context().get_node_id())
     _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"),
                               tune.get_checkpoint() if in_actor else ray.train.get_checkpoint())
