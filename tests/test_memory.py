@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nmtcore.allocator import allocator_choice, preload_env
 from nmtcore.config import preset
 from nmtcore.engine import Callback
 from nmtcore.models import build_model
@@ -139,13 +140,15 @@ def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_
     space = SearchSpace("mem", "t", "transformer", params={"model.d_model": grid((32, 64))})
     base = tiny_base(tmp_path)
     one = max(trial_memory(base.with_overrides({"model.d_model": d})).total for d in (32, 64))
-    budget_gb = 1.5 * one / GIB  # room for one trial (and its Tune actor's reservation), not two
+    # Room for one trial (and its Tune actor's reservation, rounded up: ray_backend.actor_memory), not two.
+    budget_gb = 1.5 * ray_backend.actor_memory(one) / GIB
     temp = Path("/tmp") / f"ray-mem-{tmp_path.name[-8:]}"
-    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False, memory_gb=budget_gb)
+    ray_backend.init_ray(num_cpus=2, dashboard=False, temp_dir=str(temp), log_to_driver=False, memory_gb=budget_gb,
+                         worker_env=preload_env(allocator_choice()))  # as a sweep starts one: trials in their actors
     try:
         settings = tiny_settings(tmp_path, "mem", store)
         assert ray_backend.trials_that_fit(settings) == 2  # by CPUs alone both would run at once
-        assert ray_backend.trials_that_fit(settings, one) == 1
+        assert ray_backend.trials_that_fit(settings, ray_backend.actor_memory(one)) == 1
         folder = tmp_path / "intervals"
         folder.mkdir()
         result = driver.run_sweep(space, base, settings, trial_callbacks=[_Interval(str(folder))],
@@ -157,6 +160,30 @@ def test_trials_that_do_not_fit_in_memory_together_run_one_at_a_time(store, tmp_
     assert a1 <= b0, f"trials overlapped: {a0:.0f}-{a1:.0f} and {b0:.0f}-{b1:.0f}"
     _, children = runs_of("mem", store)
     assert len(children) == 2 and all(float(c.tags[MEMORY_TAG]) > 0 for c in children)
+    assert {c.tags[ray_backend.TRIAL_PROCESS_TAG] for c in children} == {"tune actor"}
+
+
+def test_a_trial_that_trains_in_its_actor_reserves_its_own_estimate_there(tmp_path) -> None:
+    """The Tune actor of a one-worker trial reserves that trial's CPUs and memory estimate (not the sweep's
+    largest), as a Train worker would; an actor whose trial runs Train workers reserves no CPU."""
+    from nmtcore.sweep.trial import SweepContext
+
+    space = SearchSpace("mem", "t", "transformer", params={"model.d_model": grid((32, 1024))})
+    base = tiny_base(tmp_path)
+    ctx = SweepContext(name="mem", space=space, base=base, base_seed=1, tracking_uri="sqlite:///x.db",
+                       parent_run_id="0" * 32, train_storage=str(tmp_path), scratch_dir=str(tmp_path), workers=1,
+                       cpus_per_worker=1.5, gpus_per_worker=0.0, threads_per_worker=1, controller_failure_limit=1,
+                       metric="valid_loss", test_split="test", in_actor=True)
+    reserve = ray_backend.trial_actor_resources(ctx)
+    bundles = {d: reserve({"model.d_model": d}).bundles for d in (32, 1024)}
+    for d, (bundle,) in bundles.items():
+        estimate = trial_memory(base.with_overrides({"model.d_model": d, "train.num_threads": 1})).total
+        share = ray_backend.DRIVER_RESOURCES["memory"] + estimate
+        step = ray_backend.ACTOR_MEMORY_STEP
+        assert bundle["CPU"] == 1.5 and share <= bundle["memory"] < share + step, (d, bundle, share)
+        assert bundle["memory"] % step == 0  # trials with nearby estimates ask alike: Tune can reuse actors
+    assert bundles[1024][0]["memory"] > bundles[32][0]["memory"]
+    assert ray_backend.trial_actor_resources(replace(ctx, in_actor=False)) == ray_backend.DRIVER_RESOURCES
 
 
 def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> None:

@@ -141,15 +141,39 @@ T = TypeVar("T")
 DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
 
 
-def trial_actor_resources(ctx: SweepContext) -> dict[str, float]:
-    """What a trial's Tune actor reserves: :data:`DRIVER_RESOURCES`, plus the trial's CPUs, GPUs and memory
-    estimate where it trains itself (``ctx.in_actor``)."""
+def trial_actor_resources(ctx: SweepContext) -> dict[str, float] | Callable[[dict[str, Any]], Any]:
+    """What a trial's Tune actor reserves: :data:`DRIVER_RESOURCES`; where the trial trains in it
+    (``ctx.in_actor``), a function of the trial's config giving the trial's CPUs, GPUs and its own memory estimate
+    (:func:`trial_memory_bytes`) with the actor's share, as Train workers reserve theirs (:func:`actor_memory`)."""
     if not ctx.in_actor:
         return dict(DRIVER_RESOURCES)
-    out = {"cpu": ctx.cpus_per_worker, "memory": DRIVER_RESOURCES["memory"] + ctx.trial_memory_bytes}
-    if ctx.gpus_per_worker:
-        out["gpu"] = ctx.gpus_per_worker
-    return out
+
+    def resources(config: dict[str, Any]) -> Any:
+        bundle = {"CPU": ctx.cpus_per_worker, "memory": actor_memory(trial_memory_bytes(ctx, config))}
+        if ctx.gpus_per_worker:
+            bundle["GPU"] = ctx.gpus_per_worker
+        return tune.PlacementGroupFactory([bundle])
+
+    return resources
+
+
+# Tune reuses a finished trial's actor (FIFO sweeps) only for a trial asking for the same resources: a trial's
+# reservation is rounded up to this step, so trials whose estimates differ by a little share actors.
+ACTOR_MEMORY_STEP = 256 * 1024**2
+
+
+def actor_memory(estimate: int) -> int:
+    """The memory a Tune actor training a trial of ``estimate`` bytes reserves: the estimate and the actor's own
+    share (:data:`DRIVER_RESOURCES`), rounded up to :data:`ACTOR_MEMORY_STEP`."""
+    total = DRIVER_RESOURCES["memory"] + estimate
+    return -(-total // ACTOR_MEMORY_STEP) * ACTOR_MEMORY_STEP
+
+
+def trial_memory_bytes(ctx: SweepContext, config: dict[str, Any]) -> int:
+    """The memory estimate of the trial Tune runs for ``config`` (its BERT's footprint included)."""
+    cfg = trial_config(ctx.base, trial_overrides(ctx.space, config, ctx.base_seed), ctx.scratch_dir or ".",
+                       ctx.threads_per_worker)
+    return trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg))).total
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -1131,6 +1155,8 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     cells = not space.sampled if cells is None else cells
     # Per worker: its estimate, and its share of the trial actor's own small reservation.
     per_worker = ctx.trial_memory_bytes + DRIVER_RESOURCES["memory"] // ctx.workers if ctx.trial_memory_bytes else 0
+    if ctx.in_actor and ctx.trial_memory_bytes:
+        per_worker = actor_memory(ctx.trial_memory_bytes)
     fits = trials_that_fit(settings, per_worker)
     if settings.max_concurrent > fits:
         log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)
