@@ -186,6 +186,46 @@ def test_a_trial_that_trains_in_its_actor_reserves_its_own_estimate_there(tmp_pa
     assert ray_backend.trial_actor_resources(replace(ctx, in_actor=False)) == ray_backend.DRIVER_RESOURCES
 
 
+def test_a_trial_actor_killed_for_memory_is_failed_as_oom_and_its_retry_ends_at_once(monkeypatch, tmp_path) -> None:
+    """A trial that trains in its Tune actor cannot record why Ray's memory monitor killed it: the driver's callback
+    ends its run FAILED, tagged out-of-memory from Tune's error, and the retry Tune then starts refuses to train."""
+    from types import SimpleNamespace
+
+    from nmtcore import tracking
+    from nmtcore.sweep import lifecycle
+    from nmtcore.sweep.plan import trial_key, trial_overrides
+    from nmtcore.sweep.trial import SweepContext, TrialOutOfMemoryError
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    space = SearchSpace("oomkill", "t", "transformer", params={"model.d_model": grid((32,))})
+    with tracking.Tracker(uri, experiment="oomkill", run_name="sweep") as parent:
+        parent_id = parent.run_id
+    ctx = SweepContext(name="oomkill", space=space, base=tiny_base(tmp_path), base_seed=1, tracking_uri=uri,
+                       parent_run_id=parent_id, train_storage=str(tmp_path), scratch_dir=str(tmp_path), workers=1,
+                       cpus_per_worker=1.0, gpus_per_worker=0.0, threads_per_worker=1, controller_failure_limit=1,
+                       metric="valid_loss", test_split="test", in_actor=True)
+    config = {"model.d_model": 32}
+    key = trial_key(trial_overrides(space, config, 1))
+    run_id, _ = lifecycle.open_child_run(parent_id, key, "d_model=32 seed 1", {}, uri)
+    lifecycle.set_trial_state(run_id, lifecycle.TrialState.RUNNING, uri)
+    killed = RuntimeError("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.")
+    trial = SimpleNamespace(trial_id="t0", config=config, last_result={}, get_pickled_error=lambda: killed)
+    monkeypatch.setattr(ray_backend, "remove_leaked_placement_groups", lambda: 0)  # no cluster here
+    ray_backend._SweepCallback(ctx).on_trial_error(0, [], trial)
+    run = tracking.get_run(run_id, uri)
+    assert run.status == "FAILED" and run.tags[lifecycle.FAILURE_KIND_TAG] == "oom", run.tags
+    assert "running low on memory" in run.tags[tracking.FAILURE_REASON_TAG]
+    with pytest.raises(TrialOutOfMemoryError, match="running low on memory"):
+        ray_backend._trial_main(config, ctx)
+    # Another failure (the actor killed by a signal) is retried: no kind tag, so the retry trains.
+    run2, _ = lifecycle.open_child_run(parent_id, "other-key", "x", {}, uri)
+    monkeypatch.setattr(ray_backend, "trial_key", lambda overrides: "other-key")
+    crashed = RuntimeError("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
+    ray_backend._SweepCallback(ctx).on_trial_error(0, [], SimpleNamespace(trial_id="t1", config=config, last_result={},
+                                                                          get_pickled_error=lambda: crashed))
+    assert lifecycle.FAILURE_KIND_TAG not in tracking.get_run(run2, uri).tags
+
+
 def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> None:
     node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 1.0, "memory": 64.0 * GIB}
     monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: [node])
