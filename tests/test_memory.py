@@ -211,6 +211,7 @@ def test_a_trial_actor_killed_for_memory_is_failed_as_oom_and_its_retry_ends_at_
     killed = RuntimeError("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.")
     trial = SimpleNamespace(trial_id="t0", config=config, last_result={}, get_pickled_error=lambda: killed)
     monkeypatch.setattr(ray_backend, "remove_leaked_placement_groups", lambda: 0)  # no cluster here
+    monkeypatch.setattr(ray_backend, "_poll_less", lambda: None)  # a Tune actor's setting: not this process's
     ray_backend._SweepCallback(ctx).on_trial_error(0, [], trial)
     run = tracking.get_run(run_id, uri)
     assert run.status == "FAILED" and run.tags[lifecycle.FAILURE_KIND_TAG] == "oom", run.tags
