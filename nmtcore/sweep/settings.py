@@ -47,7 +47,7 @@ class SweepSettings:
         grace_period / reduction_factor: ASHA's minimum epochs and halving rate.
         workers_per_trial: Train workers per trial (DDP when > 1).
         trial_in_actor: a trial of one worker and no GPU trains in its Tune actor (no Ray Train controller and
-            worker of its own: ~10 s less per trial and fewer processes beside its threads); multi-worker (DDP)
+            worker of its own: ~9 s less per trial and fewer processes beside its threads); multi-worker (DDP)
             and GPU trials always run Ray Train workers.
         borrow_idle_cpus: single-worker CPU trials on a single-node cluster raise their torch threads onto
             CPUs no Ray work holds and give them back when Ray hands them out (:mod:`nmtcore.sweep.idle_cpus`).
