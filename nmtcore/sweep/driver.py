@@ -176,7 +176,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         workers = settings.workers_per_trial
         # A one-worker CPU trial trains in its Tune actor where that actor starts on the trials' allocator (Ray was
         # started here with its preload, or needs none); else in a Train worker, whose start takes the preload.
-        in_actor = settings.trial_in_actor and workers == 1 and not settings.gpus_per_trial
+        one_cpu_worker = workers == 1 and not settings.gpus_per_trial
+        in_actor = settings.trial_in_actor and one_cpu_worker
         if in_actor and not ray_backend.workers_have(worker_env):
             logging.getLogger("nmtcore.sweep").info(
                 "trials train in Ray Train workers: this Ray connection's workers do not preload %s",
@@ -192,7 +193,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
             test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
             bert_footprints=footprints, trial_memory_bytes=trial_bytes,
-            borrow_idle_cpus=settings.borrow_idle_cpus and workers == 1 and not settings.gpus_per_trial,
+            borrow_idle_cpus=settings.borrow_idle_cpus and one_cpu_worker,
             borrow_check_s=settings.borrow_check_s, worker_env=worker_env,
             in_actor=in_actor)
 

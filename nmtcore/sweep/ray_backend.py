@@ -92,10 +92,9 @@ from nmtcore.sweep.lifecycle import (
     set_trial_state,
 )
 from nmtcore.sweep.idle_cpus import BorrowIdleCpus
-from nmtcore.sweep.memory import GIB, trial_memory
+from nmtcore.sweep.memory import GIB
 from nmtcore.sweep.plan import (
     SEED_KEY,
-    bert_key,
     trial_config,
     trial_key,
     trial_overrides,
@@ -144,12 +143,14 @@ DRIVER_RESOURCES = {"cpu": 0, "memory": 256 * 1024**2}
 def trial_actor_resources(ctx: SweepContext) -> dict[str, float] | Callable[[dict[str, Any]], Any]:
     """What a trial's Tune actor reserves: :data:`DRIVER_RESOURCES`; where the trial trains in it
     (``ctx.in_actor``), a function of the trial's config giving the trial's CPUs, GPUs and its own memory estimate
-    (:func:`trial_memory_bytes`) with the actor's share, as Train workers reserve theirs (:func:`actor_memory`)."""
+    with the actor's share, as Train workers reserve theirs (:func:`actor_memory`)."""
     if not ctx.in_actor:
         return dict(DRIVER_RESOURCES)
 
     def resources(config: dict[str, Any]) -> Any:
-        bundle = {"CPU": ctx.cpus_per_worker, "memory": actor_memory(trial_memory_bytes(ctx, config))}
+        cfg = trial_config(ctx.base, trial_overrides(ctx.space, config, ctx.base_seed), ctx.scratch_dir or ".",
+                           ctx.threads_per_worker)
+        bundle = {"CPU": ctx.cpus_per_worker, "memory": actor_memory(ctx.trial_estimate(cfg).total)}
         if ctx.gpus_per_worker:
             bundle["GPU"] = ctx.gpus_per_worker
         return tune.PlacementGroupFactory([bundle])
@@ -167,13 +168,6 @@ def actor_memory(estimate: int) -> int:
     share (:data:`DRIVER_RESOURCES`), rounded up to :data:`ACTOR_MEMORY_STEP`."""
     total = DRIVER_RESOURCES["memory"] + estimate
     return -(-total // ACTOR_MEMORY_STEP) * ACTOR_MEMORY_STEP
-
-
-def trial_memory_bytes(ctx: SweepContext, config: dict[str, Any]) -> int:
-    """The memory estimate of the trial Tune runs for ``config`` (its BERT's footprint included)."""
-    cfg = trial_config(ctx.base, trial_overrides(ctx.space, config, ctx.base_seed), ctx.scratch_dir or ".",
-                       ctx.threads_per_worker)
-    return trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg))).total
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -323,8 +317,8 @@ _local_cluster_pid: int | None = None  # the process that started the local clus
 def yield_control_plane(nice: int = CONTROL_PLANE_NICE) -> int:
     """Give the control plane of the local cluster this process started :data:`CONTROL_PLANE_NICE`: every thread
     of its descendants that is not a Ray worker (``ray::…`` but :data:`RAY_AGENTS`, or one still starting);
-    returns how many threads it changed. Does nothing on a joined cluster. Called when the cluster starts and as trials start (the
-    dashboard starts its modules a moment later)."""
+    returns how many threads it changed. Does nothing on a joined cluster. Called when the cluster starts and as
+    trials start (the dashboard starts its modules a moment later)."""
     if _local_cluster_pid != os.getpid():
         return 0
     changed = 0
@@ -744,7 +738,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     trial_id = tune.get_context().get_trial_id()
     set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
-    memory = trial_memory(cfg, ctx.bert_footprints.get(bert_key(cfg)))
+    memory = ctx.trial_estimate(cfg)
     tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
     loop_config = {"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri, "trial_key": key,
                    "trial_id": trial_id, "test_split": ctx.test_split, "metric": ctx.metric,
@@ -823,15 +817,20 @@ class _RayReport(Callback):
         for src in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
             if src.exists():
                 _link_or_copy(src, tmp / src.name)
-        if self.in_actor:  # Tune copies it into the trial's directory (CheckpointConfig keeps the last one)
-            tune.report(report, checkpoint=tune.Checkpoint.from_directory(str(tmp)))
-        else:
-            ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)),
-                             delete_local_checkpoint_after_upload=True)
+        self.report(report, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        (tune.report if self.in_actor else ray.train.report)(metrics)
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        """To Tune where the trial trains in its actor (Tune copies a checkpoint into the trial's directory and
+        keeps the last one), else to Ray Train (which uploads it, then deletes ``checkpoint_dir``)."""
+        if self.in_actor:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(checkpoint_dir))
+                        if checkpoint_dir else None)
+        elif checkpoint_dir is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
+                             delete_local_checkpoint_after_upload=True)
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         self.cpu_s = all_reduce_sum(time.process_time() - self._cpu0)
@@ -1154,9 +1153,12 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     space = ctx.space
     cells = not space.sampled if cells is None else cells
     # Per worker: its estimate, and its share of the trial actor's own small reservation.
-    per_worker = ctx.trial_memory_bytes + DRIVER_RESOURCES["memory"] // ctx.workers if ctx.trial_memory_bytes else 0
-    if ctx.in_actor and ctx.trial_memory_bytes:
+    if not ctx.trial_memory_bytes:
+        per_worker = 0
+    elif ctx.in_actor:  # one worker, the actor itself: what it reserves for the largest trial
         per_worker = actor_memory(ctx.trial_memory_bytes)
+    else:
+        per_worker = ctx.trial_memory_bytes + DRIVER_RESOURCES["memory"] // ctx.workers
     fits = trials_that_fit(settings, per_worker)
     if settings.max_concurrent > fits:
         log.warning("--max-concurrent %d > %d trials that fit the cluster: capped", settings.max_concurrent, fits)

@@ -24,8 +24,8 @@ from nmtcore.sweep.lifecycle import (
     TRIAL_STATE_TAG,
     TrialState,
 )
-from nmtcore.sweep.memory import BertFootprint
-from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, config_key, fmt, plain
+from nmtcore.sweep.memory import BertFootprint, MemoryEstimate, trial_memory
+from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, bert_key, config_key, fmt, plain
 from nmtcore.sweep.space import ARM_KEY, CONTROL, SearchSpace
 from nmtcore.tracking.callback import TrackingCallback
 
@@ -94,6 +94,10 @@ class SweepContext:
     trial_memory_bytes: int = 0  # the largest trial's estimate (sets how many run at once)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # the training processes' (allocator preload)
     in_actor: bool = False  # a one-worker CPU trial trains in its Tune actor (SweepSettings.trial_in_actor)
+
+    def trial_estimate(self, cfg: ExperimentConfig) -> MemoryEstimate:
+        """The memory estimate of the trial that trains ``cfg`` (its BERT's footprint included)."""
+        return trial_memory(cfg, self.bert_footprints.get(bert_key(cfg)))
 
     def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
         """Tags of a trial's child run: the sweep, the study, its arm (:func:`arm_name`: the run name's), the
