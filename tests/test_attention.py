@@ -241,3 +241,49 @@ def test_fp32_decoding_caches_only_for_bf16_cpu_steps_outside_autograd_with_wide
                 y = attn(x.to(x_dtype), causal=True, cache=cache)
         assert cache.self_k.dtype == cache.self_v.dtype == dtype and cache.self_k.shape == (3, 2, 2, 64)
         assert y.shape == (3, 1, 128) and y.dtype == torch.bfloat16  # the output projection under autocast
+
+
+@pytest.mark.parametrize("width", [1, 5, 15, 16, 40])
+def test_softmax_equals_torch_in_value_gradient_and_masked_rows(width: int) -> None:
+    """:func:`~nmtcore.nn.layers.softmax` (elementwise ops for rows shorter than the CPU kernel's vector): torch's
+    values and gradients, −inf entries at 0, a row of only −inf NaN as in ``torch.softmax``; rows of at least
+    one vector stay with torch's kernel."""
+    from nmtcore.nn.layers import cpu_softmax_vector_width, softmax
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, 3, 2, width, generator=g) * 4
+    x[0, 0, 0, 0] = float("-inf")
+    x[1, 1, 1, :] = float("-inf")
+    upstream = torch.randn(x.shape, generator=g)
+    mine, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = softmax(mine), torch.softmax(ref, dim=-1)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[1, 1, 1].isnan().all())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-6)
+    if width > 1:
+        assert got[0, 0, 0, 0] == 0
+    got.nan_to_num().backward(upstream)
+    want.nan_to_num().backward(upstream)
+    torch.testing.assert_close(mine.grad.nan_to_num(), ref.grad.nan_to_num(), rtol=1e-5, atol=1e-6)
+    short = width < cpu_softmax_vector_width()
+    assert ("ShortRowSoftmax" in type(got.grad_fn).__name__) == short
+    assert torch.autograd.gradcheck(softmax, (torch.randn(2, 3, width, dtype=torch.float64, requires_grad=True),))
+
+
+def test_decoding_step_scores_are_fp32_products_of_the_bf16_operands() -> None:
+    """:func:`~nmtcore.nn.layers.attention_scores`: a decoding step's bf16 query rows (at most FEW_QUERIES) on the
+    CPU outside autograd are scored as exact fp32 products of the bf16 values; a sequence of queries, or a query
+    under autograd, keeps the bf16 product (rounded to bf16)."""
+    from nmtcore.nn.layers import FEW_QUERIES, attention_scores
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(8, 12, 15, 32, generator=g).bfloat16()
+    for t_q in (1, 5, FEW_QUERIES):
+        q = torch.randn(8, 12, t_q, 32, generator=g).bfloat16()
+        wide = q.float() @ k.float().transpose(-1, -2)
+        got = attention_scores(q, k)
+        assert got.dtype == torch.float32 and torch.equal(got, wide)
+        assert not torch.equal(got, wide.bfloat16().float())  # not rounded to bf16 (some entries differ)
+    q = torch.randn(8, 12, FEW_QUERIES + 1, 32, generator=g).bfloat16()
+    assert torch.equal(attention_scores(q, k), (q @ k.transpose(-1, -2)).float())
+    q1 = torch.randn(8, 12, 1, 32, generator=g).bfloat16().requires_grad_()
+    assert torch.equal(attention_scores(q1, k), (q1 @ k.transpose(-1, -2)).float())
