@@ -70,7 +70,10 @@ def test_inverse_sqrt_schedule_matches_fairseq():
 
 
 def test_learning_synthetic_translation(tmp_path, capsys):
-    """A tiny model learns mapping + reordering on one CPU thread within 30 epochs: test BLEU >= 90.
+    """A tiny model learns mapping + reordering on one CPU thread within 30 epochs: test BLEU >= 85. Over seeds 1-7,
+    each with torch's softmax and with nmtcore.nn.layers.softmax (same gradients to 4e-7 relative on a batch), the
+    30-epoch BLEU ranged 87.4-96.5: training this small is chaotic at rounding level, and the bar of 90 this test had
+    sat inside that spread (seed 1 gave 94.1 with one softmax, 87.4 with the other).
     Its CPU time is printed, not asserted: the bound it had (90 s) failed in CI at 108 s, and the same machine took
     108 s one hour and 72 s the next; training speed is measured side by side with fairseq in bench/vs_fairseq.py."""
     cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 30, "train.num_threads": 1, "train.lr": 5e-3,
@@ -80,7 +83,7 @@ def test_learning_synthetic_translation(tmp_path, capsys):
     cpu = time.process_time() - t0
     torch.set_num_threads(2)
     bleu = summary.test["test"].bleu
-    assert bleu >= 90, summary
+    assert bleu >= 85, summary
     with capsys.disabled():
         print(f"\nsynthetic translation: test BLEU {bleu:.1f} in {cpu:.0f} CPU seconds on one thread")
 
