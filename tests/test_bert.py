@@ -40,6 +40,7 @@ from nmtcore.data import (
     inference_batches,
 )
 from nmtcore.testing.tiny_bert import (
+    SPECIALS,
     TRICKY_LINE,
     fake_hf_cache,
     fake_pretrained_here,
@@ -450,3 +451,61 @@ def test_frozen_bert_runs_in_eval_mode(tmp_path: Path) -> None:
     tuned.bert.requires_grad_(False)
     a, b = _two_train_forwards(tuned, ids)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_a_loaded_bert_attends_through_the_platform_and_computes_what_sdpa_does(
+        tiny_bert: Path, dtype: torch.dtype, tol: float) -> None:
+    """:mod:`nmtcore.bert.attention`: ``load_model`` switches the encoder to the platform's attention; hidden
+    states and gradients over right-padded rows equal transformers' own sdpa."""
+    from nmtcore.bert.attention import ATTENTION
+
+    ours = resolve_bert(BertSpec(name=str(tiny_bert))).load_model()
+    assert ours.config._attn_implementation == ATTENTION
+    theirs = resolve_bert(BertSpec(name=str(tiny_bert))).load_model()
+    theirs.set_attn_implementation("sdpa")
+    ids = torch.randint(len(SPECIALS), ours.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 13, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[3, 4:] = 0
+    states, grads = [], []
+    for model in (ours, theirs):
+        model.eval()
+        with torch.no_grad():  # peaked attention (random init attends almost uniformly: no query gradient)
+            for layer in model.encoder.layer:
+                layer.attention.self.query.weight.mul_(20)
+                layer.attention.self.key.weight.mul_(20)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = h.float()[mask.bool()]  # padded positions are not read by any fusion
+        states.append(h)
+        weights = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))  # LN output: Σh² is constant
+        grads.append(torch.autograd.grad((h * weights).sum(), model.encoder.layer[0].attention.self.query.weight)[0])
+    torch.testing.assert_close(states[0], states[1], rtol=tol, atol=tol * states[1].abs().max().item())
+    torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol * grads[1].abs().max().item())
+
+
+def test_platform_attention_hands_what_it_does_not_model_to_sdpa() -> None:
+    """An additive float mask, a scaling other than 1/√d or a causal module go to transformers' sdpa function
+    unchanged (same result); a model that does not dispatch through AttentionInterface is left as it is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from nmtcore.bert.attention import _attention_forward, use_platform_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = False
+    additive = torch.zeros(2, 1, 5, 5)
+    additive[0, ..., 3:] = -1e4
+    for kwargs in ({"attention_mask": additive}, {"attention_mask": None, "scaling": 0.5}):
+        got, _ = _attention_forward(module, q, k, v, **kwargs)
+        want, _ = sdpa_attention_forward(module, q, k, v, **kwargs)
+        torch.testing.assert_close(got, want)
+    module.is_causal = True
+    got, _ = _attention_forward(module, q, k, v, None)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, None)[0])
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(got, causal)
+    plain = torch.nn.Linear(2, 2)
+    assert use_platform_attention(plain) is plain and not hasattr(plain, "config")

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from nmtcore.bert import distilled, made_here, sources, truncate
+from nmtcore.bert.attention import use_platform_attention
 from nmtcore.bert.errors import BertError, BertNotFoundError
 from nmtcore.config import BertConfig
 from nmtcore.devices import env_flag
@@ -143,13 +144,14 @@ class ResolvedBert:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         try:
-            return AutoModel.from_pretrained(self.path, add_pooling_layer=False, dtype=torch.float32)
+            model = AutoModel.from_pretrained(self.path, add_pooling_layer=False, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise BertError(f"cannot load BERT {self.spec} from {self.path}: {str(e).splitlines()[0]}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
             if bar:
                 hf_logging.enable_progress_bar()
+        return use_platform_attention(model)  # nmtcore.bert.attention
 
     def meta(self) -> dict[str, Any]:
         """The ``meta.json`` a platform-made BERT carries (its provenance), else {}."""
