@@ -36,11 +36,11 @@ def _attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                        **kwargs: Any) -> tuple[Tensor, None]:
     """``transformers``' attention-function signature: query/key/value (B, H, T, Dh), a boolean mask (True = may
     attend) or None → ((B, T, H, Dh), None)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     plain = ((scaling is None or math.isclose(scaling, query.size(-1) ** -0.5, rel_tol=1e-6))
-             and kwargs.get("position_bias") is None and not (is_causal if is_causal is not None
-                                                               else getattr(module, "is_causal", False))
+             and kwargs.get("position_bias") is None and not causal
              and (attention_mask is None or attention_mask.dtype == torch.bool)
-             and key.size(1) == query.size(1))
+             and key.size(1) == query.size(1))  # as many key/value heads as query heads
     if not plain:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
