@@ -41,6 +41,7 @@ def test_unknown_nested_keys_raise_naming_the_key(d, key):
     ({"train.lr": "abc"}, "train.lr"),
     ({"train.label_smoothing": 1.0}, "train.label_smoothing"),
     ({"data.max_tokens": 0}, "data.max_tokens"),
+    ({"data.prefetch_batches": -1}, "data.prefetch_batches"),
     ({"decode.nbest": 9}, "decode.nbest"),
     ({"decode.max_sentences": -1}, "decode.max_sentences"),
     ({"train.precision": "fp8"}, "train.precision"),

@@ -558,3 +558,51 @@ def test_multi30k_batching(multi30k: data.PreparedData) -> None:
     b = collate(tr, batches[0], multi30k.vocab.pad_id, multi30k.vocab.bos_id, multi30k.vocab.eos_id)
     assert b.src.numel() <= 4096 and b.tgt_out.numel() <= 4096
     assert multi30k.vocab.decode(b.tgt_out[0]) == tr.raw_tgt[int(b.ids[0])]
+
+
+# ---------------------------------------------------------------------------------------- prefetch
+def test_prefetch_yields_every_item_in_order_from_a_thread() -> None:
+    producers: list[str] = []
+
+    def items() -> Iterator[int]:
+        for i in range(50):
+            producers.append(threading.current_thread().name)
+            yield i
+
+    assert list(data.prefetch(items(), depth=2)) == list(range(50))
+    assert set(producers) == {"nmtcore-prefetch"}  # produced off the consumer's thread
+    producers.clear()
+    assert list(data.prefetch(items(), depth=0)) == list(range(50))
+    assert set(producers) == {threading.current_thread().name}  # depth 0: in the loop, no thread
+    with pytest.raises(ValueError, match="depth"):
+        next(data.prefetch(items(), depth=-1))
+
+
+def test_prefetch_raises_a_producers_error_at_its_item() -> None:
+    def items() -> Iterator[int]:
+        yield 0
+        yield 1
+        raise RuntimeError("bad batch 2")
+
+    got = []
+    with pytest.raises(RuntimeError, match="bad batch 2"):
+        for x in data.prefetch(items()):
+            got.append(x)
+    assert got == [0, 1]
+
+
+def test_prefetch_closed_early_stops_its_thread_and_reads_at_most_depth_ahead() -> None:
+    produced = []
+
+    def items() -> Iterator[int]:
+        for i in range(1000):
+            produced.append(i)
+            yield i
+
+    before = threading.active_count()
+    it = data.prefetch(items(), depth=2)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.3)  # the thread fills its queue, then waits
+    it.close()
+    assert threading.active_count() == before
+    assert len(produced) <= 3 + 2 + 1  # consumed, queued, and the one blocked on the full queue

@@ -172,3 +172,17 @@ def test_progress_bar_follows_no_progress_as_a_flag(monkeypatch, value, shown):
     if bar is not None:
         bar.close()
     assert trainer_module._progress(1, rank=1) is None  # only rank 0 draws one
+
+
+def test_prefetched_training_batches_are_the_loops_own(tmp_path):
+    """``data.prefetch_batches``: batches collated ahead in a thread are those collated in the loop, in order,
+    for each epoch's shuffle."""
+    runs = {}
+    for depth in (0, 1, 3):
+        trainer = make_trainer(tiny_experiment(tmp_path / str(depth), **{"data.prefetch_batches": depth}))
+        runs[depth] = [b for epoch in (1, 2) for b in trainer.train_batches(epoch)]
+    assert len(runs[0]) > 2
+    for depth in (1, 3):
+        assert len(runs[depth]) == len(runs[0])
+        for a, b in zip(runs[0], runs[depth]):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out)

@@ -60,6 +60,8 @@ class DataConfig:
     max_sentences: int = 0  # 0 = no cap
     cache_dir: str = ""  # "" = $NMTCORE_CACHE or ~/.cache/nmtcore
     download: bool = True
+    # training batches collated this many ahead in a background thread (nmtcore.data.prefetch); 0 = in the loop
+    prefetch_batches: int = 1
 
     def __post_init__(self) -> None:
         check(bool(self.corpus), "data.corpus", "must not be empty")
@@ -70,6 +72,7 @@ class DataConfig:
         check(self.max_len_ratio >= 1.0, "data.max_len_ratio", "must be >= 1")
         check(self.max_tokens > 0, "data.max_tokens", "must be > 0")
         check(self.max_sentences >= 0, "data.max_sentences", "must be >= 0")
+        check(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0")
 
     def resolved_data_dir(self) -> Path | None:
         """``data_dir`` or ``$NMTCORE_DATA``, absolute; None if neither is set."""

@@ -42,7 +42,7 @@ from nmtcore.checkpoint import (
 )
 from nmtcore.config import DecodeConfig, ExperimentConfig, PhaseConfig
 from nmtcore.config.sections import describe_phases
-from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate
+from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate, prefetch
 from nmtcore.decoding import translate_split
 from nmtcore.devices import autocast, autocast_dtype, default_device, env_flag
 from nmtcore.engine.losses import check_kd, label_smoothed_nll, training_loss
@@ -186,11 +186,13 @@ class Trainer:
         :mod:`nmtcore.sweep.memory` counts that. A model whose source *is* the BERT stream (PLM-sponsored,
         ``source_is_bert_stream``) has it counted (:meth:`budgeted_bert_lens`)."""
         split = self.data.splits[self.cfg.data.train_split]
-        dc = self.cfg.data
-        for idx in batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
-                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
-                                 bert_lens=self.budgeted_bert_lens(split)):
-            yield self.collate(split, idx)
+        dc, v = self.cfg.data, self.data.vocab
+        indices = batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
+                                seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
+                                bert_lens=self.budgeted_bert_lens(split))
+        host = (collate(split, idx, v.pad_id, v.bos_id, v.eos_id) for idx in indices)
+        for batch in prefetch(host, dc.prefetch_batches):  # the next batch collates while this one trains
+            yield batch.to(self.device)
 
     def eval_batches(self, split: EncodedSplit) -> Iterator[Batch]:
         """Batches of ``split`` in length order, unshuffled, under the budget :meth:`train_batches` counts."""
