@@ -241,6 +241,12 @@ def test_fp32_decoding_caches_only_for_bf16_cpu_steps_outside_autograd_with_wide
                 y = attn(x.to(x_dtype), causal=True, cache=cache)
         assert cache.self_k.dtype == cache.self_v.dtype == dtype and cache.self_k.shape == (3, 2, 2, 64)
         assert y.shape == (3, 1, 128) and y.dtype == torch.bfloat16  # the output projection under autocast
+    # A prefix reordered at every step (beam search) stays in the compute dtype: the fp32 copy costs more there.
+    cache = LayerCache(reordered_each_step=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            y = attn(x, causal=True, cache=cache)
+    assert cache.self_k.dtype == cache.self_v.dtype == torch.bfloat16 and cache.self_k.shape == (3, 2, 2, 64)
 
 
 @pytest.mark.parametrize("width", [1, 5, 15, 16, 40])

@@ -372,6 +372,29 @@ def test_registered_models_decode_a_padded_batch_like_sentences_alone(case, smal
         assert [h.score for h in hyps] == pytest.approx([h.score for h in alone[0]], abs=1e-4)
 
 
+def test_beam_search_keeps_its_caches_narrow_and_greedy_search_wide(small_batch, monkeypatch):
+    """Beam search reorders every row of every cache at each step, so its bf16 steps keep the self-attention
+    prefix in bf16; greedy search, which reorders only when sentences finish, widens it to fp32
+    (:func:`nmtcore.nn.layers.wide_decoding_cache`, here for any head width)."""
+    from nmtcore.nn import SelfAttention, layers
+
+    monkeypatch.setattr(layers, "WIDE_CACHE_MIN_HEAD_DIM", 1)
+    model = tiny_model("transformer")
+    small_batch = with_inputs(model, small_batch)
+    caches = []
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.register_forward_hook(lambda m, args, kwargs, out: caches.append(kwargs.get("cache")),
+                                         with_kwargs=True)
+    for beam, dtype in ((3, torch.bfloat16), (1, torch.float32)):
+        caches.clear()
+        translate(model, [small_batch], DecodeConfig(beam=beam, max_len_a=1.0, max_len_b=2, min_len=0,
+                                                     precision="bf16"))  # greedy search for beam 1
+        grown = [x for x in caches if x is not None and x.self_k is not None]
+        assert grown and all(x.self_k.dtype == x.self_v.dtype == dtype for x in grown), beam
+        assert all(x.reordered_each_step == (beam > 1) for x in grown)
+
+
 # ---------------------------------------------------------------------- the step's candidates
 @pytest.mark.parametrize("vocab,k", [(1000, 10), (8000 + 37, 10), (5000, 4), (300, 10)])
 def test_topk_rows_equals_topk(vocab, k):

@@ -188,7 +188,7 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
 
     with _eval_mode(model):
         enc_out = model.encode(batch)
-        state = model.init_state(enc_out)
+        state = model.init_state(enc_out).reordered_each_step()
 
         sent_max_len_list = max_lengths(batch.src_mask, cfg)
         active: list[int] = list(range(bsz))  # original index of each active sentence

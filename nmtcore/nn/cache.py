@@ -48,6 +48,10 @@ class LayerCache:
     ``t``): a step writes its keys/values in place and :meth:`select_rows` gathers the surviving rows into new
     buffers in one copy, where concatenating at every step copied the whole prefix a second time
     (``torch.cat`` alone was 5% of a beam-5 decode's CPU time on 2 cores, torch profiler).
+
+    ``reordered_each_step``: every step copies the whole prefix into a new row order (beam search, set by
+    :meth:`DecoderState.reordered_each_step`), so it is kept in the compute dtype rather than widened
+    (:func:`~nmtcore.nn.layers.wide_decoding_cache`).
     """
 
     self_k: Tensor | None = None
@@ -55,6 +59,7 @@ class LayerCache:
     static: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     _k_buf: Tensor | None = field(default=None, repr=False)  # (B, H, capacity, Dh); self_k is its [:, :, :t]
     _v_buf: Tensor | None = field(default=None, repr=False)
+    reordered_each_step: bool = False
 
     def grow(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append this step's keys/values (B, H, n, Dh) to the prefix's; returns the whole prefix's."""
@@ -130,6 +135,12 @@ class DecoderState:
     def empty(cls, num_layers: int) -> "DecoderState":
         """A state with one empty :class:`LayerCache` per decoder layer."""
         return cls(layers=[LayerCache() for _ in range(num_layers)])
+
+    def reordered_each_step(self) -> "DecoderState":
+        """Mark every layer's cache as reordered at every step (beam search): see :class:`LayerCache`."""
+        for layer in self.layers:
+            layer.reordered_each_step = True
+        return self
 
     def reorder(self, beam_idx: Tensor, static: bool | Tensor = True) -> None:
         """Keep the rows ``beam_idx`` (B',) of every cached tensor, in place.

@@ -240,7 +240,7 @@ WIDE_CACHE_MIN_HEAD_DIM = 64  # see wide_decoding_cache
 def wide_decoding_cache(q: Tensor) -> bool:
     """Whether a decoder's self-attention keeps its incremental keys/values in fp32 and attends a single new
     position in fp32, for queries ``q`` (B, H, T, Dh): on the CPU, outside autograd, under a low-precision
-    autocast (beam search in bf16), for heads of at least :data:`WIDE_CACHE_MIN_HEAD_DIM` dimensions.
+    autocast (decoding in bf16), for heads of at least :data:`WIDE_CACHE_MIN_HEAD_DIM` dimensions.
 
     The attention of one query over a cached prefix is a batch of (1 × Dh) · (Dh × t) products, one per row
     and head, too small for the matmul kernels to pay off, so their cost is per product. Measured on 2 cores
@@ -251,7 +251,15 @@ def wide_decoding_cache(q: Tensor) -> bool:
     the time (medians of 10 pairs, 3.38 against 3.53 s), greedy in 1/1.18 (8 pairs, 1.29 against 1.53 s);
     the PLM-sponsored model's decoder (12 heads of 32) widened too took 1/0.94 of it (beam 5, 3 pairs).
     Computing the scores in fp32, where autocast rounded q and k to bf16, changes a few beams (74 of 1000
-    sentences there; BLEU 26.32 against 26.39 on test_2016, 26.29 against 26.24 on val)."""
+    sentences there; BLEU 26.32 against 26.39 on test_2016, 26.29 against 26.24 on val).
+
+    Since :func:`attention_scores` scores every decoding step's few bf16 query rows in fp32 anyway, the wider
+    prefix pays only where the rows are not copied at every step: a cache marked
+    :attr:`~nmtcore.nn.cache.LayerCache.reordered_each_step` (beam search) stays in bf16. The trained 500-update
+    baseline of ``bench/vs_fairseq.py`` on the full test_2016, 4 alternated pairs in one process
+    (2026-11-29, ``results/bench-2026-11-29-beam-cache/``): beam 5 with the fp32 prefix took 1.054x and 1.079x
+    the bf16 prefix's time (BLEU 26.81 against 26.75), greedy with a bf16 prefix 1.12x and 1.16x the fp32
+    prefix's (24.28 against 24.36)."""
     kind = q.device.type
     return (kind == "cpu" and q.size(-1) >= WIDE_CACHE_MIN_HEAD_DIM and not torch.is_grad_enabled()
             and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) != torch.float32)
@@ -296,7 +304,7 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         if cache is not None:
             # Incremental decoding: x holds only the new position(s); attend to the whole prefix.
-            wide = wide_decoding_cache(q)  # the prefix in fp32, a single query attended in fp32: see there
+            wide = wide_decoding_cache(q) and not cache.reordered_each_step  # fp32 prefix and query: see there
             k, v = cache.grow(k.float(), v.float()) if wide else cache.grow(k, v)  # (B, H, t+1, Dh)
             if wide and q.size(2) == 1:
                 with torch.autocast(x.device.type, enabled=False):
