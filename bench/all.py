@@ -15,7 +15,9 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
 - ``finetune_memory``: peak memory of the fine-tuned BERT trials against the baseline trial's.
 - ``sweep_overhead``: one trial run directly and as the first of a two-seed sweep (2 threads, at most
   ``--sweep-updates`` updates in ``--sweep-epochs`` epochs; the second seed runs in the first one's Tune actor:
-  what each further trial pays outside the trainer).
+  what each further trial pays outside the trainer), ordered direct, sweep, sweep, direct (``--sweep-repeat 2``,
+  the default): one pair alone read 9.3% where the same bench in that order right after read 1.3% (2026-11-29,
+  ``results/bench-all-2026-11-29-short-rows/``), the drift of a 2-core machine over a pair's ~5 minutes.
 
 Load: for each step, the 1-minute load average at its start and end, and ``others_cores``: the CPU the machine
 spent outside the step's own processes over the step's wall time, in cores (``/proc/stat`` busy time minus the
@@ -84,7 +86,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
         "finetune_memory": ([py, str(BENCH / "finetune_memory.py"), "--data-dir", data, "--threads",
                              str(args.threads), "--updates", str(args.memory_updates)], {}),
         "sweep_overhead": ([py, str(BENCH / "sweep_overhead.py"), "--data-dir", data, "--threads", str(args.threads),
-                            "--repeat", "1", "--epochs", str(args.sweep_epochs),
+                            "--repeat", str(args.sweep_repeat), "--epochs", str(args.sweep_epochs),
                             "--max-updates", str(args.sweep_updates), "--out", str(out)], {}),
     }
 
@@ -170,6 +172,8 @@ def main() -> int:
     p.add_argument("--sweep-epochs", type=int, default=1,
                    help="the swept trial's epochs of multi30k_small (~300 updates each): on a fast machine "
                         "--sweep-updates 0 --sweep-epochs 3 makes a trial of over 2 minutes")
+    p.add_argument("--sweep-repeat", type=int, default=2, choices=(1, 2),
+                   help="sweep_overhead: 2 = direct, sweep, sweep, direct (ABBA); 1 = one pair (half the time)")
     args = p.parse_args()
     steps = args.steps.split(",")
     unknown = sorted(set(steps) - set(STEPS))
