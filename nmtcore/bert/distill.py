@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nmtcore.bert.attention import use_platform_attention
 from nmtcore.bert.distilled import DistillSpec, root_dir
 from nmtcore.bert.errors import BertError
 from nmtcore.bert.quality import pad_batch, quality_of
@@ -156,7 +157,7 @@ def _distill(spec: DistillSpec, recipe: Recipe, teacher_bert: ResolvedBert, line
             type_vocab_size=tc.type_vocab_size, layer_norm_eps=tc.layer_norm_eps, pad_token_id=tc.pad_token_id,
             initializer_range=0.02)
         torch.manual_seed(spec.seed)
-        student = BertModel(student_cfg, add_pooling_layer=False)
+        student = use_platform_attention(BertModel(student_cfg, add_pooling_layer=False))  # as it will be loaded
         distiller = Distiller(student, tc.hidden_size, len(mapping), recipe.relation_heads)
         v = pca_projection(teacher.embeddings.word_embeddings.weight, spec.hidden)
         with torch.no_grad():

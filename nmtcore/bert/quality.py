@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nmtcore.bert.attention import use_platform_attention
 from nmtcore.bert.resolve import BertError, ResolvedBert
 from nmtcore.bert.text import heldout_text
 from nmtcore.config import DataConfig
@@ -159,7 +160,7 @@ def measure(resolved: ResolvedBert, lang: str, data: DataConfig, cfg: ProbeConfi
     t0, c0 = time.perf_counter(), time.process_time()
     if random_init:
         torch.manual_seed(init_seed)
-        model = AutoModel.from_config(resolved.hf_config(), add_pooling_layer=False)
+        model = use_platform_attention(AutoModel.from_config(resolved.hf_config(), add_pooling_layer=False))
     else:
         model = resolved.load_model()
     tok = resolved.load_tokenizer()
