@@ -186,11 +186,11 @@ class Trainer:
         :mod:`nmtcore.sweep.memory` counts that. A model whose source *is* the BERT stream (PLM-sponsored,
         ``source_is_bert_stream``) has it counted (:meth:`budgeted_bert_lens`)."""
         split = self.data.splits[self.cfg.data.train_split]
-        dc, v = self.cfg.data, self.data.vocab
+        dc = self.cfg.data
         indices = batch_indices(split.src_lens, split.tgt_lens, dc.max_tokens, dc.max_sentences, shuffle=True,
                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
                                 bert_lens=self.budgeted_bert_lens(split))
-        host = (collate(split, idx, v.pad_id, v.bos_id, v.eos_id) for idx in indices)
+        host = (self.host_batch(split, idx) for idx in indices)
         for batch in prefetch(host, dc.prefetch_batches):  # the next batch collates while this one trains
             yield batch.to(self.device)
 
@@ -206,10 +206,14 @@ class Trainer:
         None: an extra BERT input does not change a batch."""
         return split.bert_lens if self.model.source_is_bert_stream else None
 
+    def host_batch(self, split: EncodedSplit, idx: np.ndarray) -> Batch:
+        """The sentences ``idx`` of ``split`` as a padded batch in host memory."""
+        v = self.data.vocab
+        return collate(split, idx, v.pad_id, v.bos_id, v.eos_id)
+
     def collate(self, split: EncodedSplit, idx: np.ndarray) -> Batch:
         """The sentences ``idx`` of ``split`` as a padded batch on the trainer's device."""
-        v = self.data.vocab
-        return collate(split, idx, v.pad_id, v.bos_id, v.eos_id).to(self.device)
+        return self.host_batch(split, idx).to(self.device)
 
     # ------------------------------------------------------------------ one update
     def _grads(self) -> list[Tensor]:
