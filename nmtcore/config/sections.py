@@ -253,6 +253,9 @@ def suggest_phase_scale(phases: tuple[PhaseConfig, ...], max_epochs: int) -> flo
     return max(s, 0.01)
 
 
+STOP_METRICS = ("valid_loss", "valid_bleu")  # what the stopping rule may watch
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, checkpointing and stopping. fairseq semantics for the LR schedule."""
@@ -268,7 +271,13 @@ class TrainConfig:
     update_freq: int = 1  # gradient accumulation steps per update
     max_epochs: int = 10
     max_updates: int = 0  # 0 = no limit
-    patience: int = 0  # early stopping on validation loss; 0 = off
+    # The stopping rule (nmtcore.engine.stopping): stop after ``patience`` epochs in a row that did not beat the
+    # best ``stop_metric`` by more than ``min_delta`` (its own units: BLEU points, or bits of loss); 0 = off, the
+    # run then ends at its fixed schedule. ``max_epochs`` / ``max_updates`` stay the cap. The best epoch (the
+    # tested weights without averaging) is the best by ``stop_metric``.
+    patience: int = 0
+    stop_metric: str = "valid_loss"  # valid_loss (lower is better) or valid_bleu (greedy, higher is better)
+    min_delta: float = 0.0
     seed: int = 1
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
@@ -309,6 +318,12 @@ class TrainConfig:
         check(self.max_epochs >= 1, "train.max_epochs", "must be >= 1")
         check(self.max_updates >= 0, "train.max_updates", "must be >= 0")
         check(self.patience >= 0, "train.patience", "must be >= 0")
+        check(self.stop_metric in STOP_METRICS, "train.stop_metric",
+              f"must be one of {', '.join(STOP_METRICS)}, got {self.stop_metric!r}")
+        check(math.isfinite(self.min_delta) and self.min_delta >= 0, "train.min_delta",
+              f"must be a finite number >= 0, got {self.min_delta}")
+        check(self.stop_metric != "valid_bleu" or self.valid_bleu, "train.stop_metric",
+              "valid_bleu needs train.valid_bleu=true (the validation set decoded every epoch)")
         check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
               f"must be auto, fp32 or bf16, got {self.precision!r}")
         check(self.num_threads >= 0, "train.num_threads", "must be >= 0")

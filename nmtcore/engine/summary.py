@@ -11,8 +11,9 @@ from typing import Any
 class FitResult:
     """How :meth:`Trainer.fit` ended: epochs and updates done, why it stopped (with a schedule: why its last
     phase stopped, ``end_of_schedule``, ``early_stopping(patience=N)``, ``max_epochs`` or ``max_updates``),
-    the phase it ended in (None without a schedule), the best epoch by validation loss; the schedule run
-    (phase → epochs, after ``train.phase_scale``), that scale, and the epoch each phase began."""
+    the phase it ended in (None without a schedule), the best epoch by ``train.stop_metric``; the schedule run
+    (phase → epochs, after ``train.phase_scale``), that scale, the epoch each phase began, and which rule
+    ended the run (:func:`nmtcore.engine.stopping.stopped_by`) with the metric it watched."""
 
     epochs: int
     num_updates: int
@@ -24,6 +25,14 @@ class FitResult:
     schedule: dict[str, int] = field(default_factory=dict)
     phase_scale: float = 1.0
     phase_starts: dict[str, int] = field(default_factory=dict)
+    stopped_by: str = "schedule"  # nmtcore.engine.stopping.STOPPED_BY: patience (converged), cap or schedule
+    stop_metric: str = "valid_loss"
+    best_score: float = float("nan")  # the best epoch's stop_metric
+
+    @property
+    def converged(self) -> bool:
+        """True only when the patience rule ended the run."""
+        return self.stopped_by == "patience"
 
 
 @dataclass

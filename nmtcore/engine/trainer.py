@@ -55,6 +55,7 @@ from nmtcore.engine.phases import (
     schedule_length,
     start_schedule,
 )
+from nmtcore.engine.stopping import StopRule, stopped_by
 from nmtcore.engine.summary import FitResult, RunSummary
 from nmtcore.models import NMTModel
 
@@ -89,9 +90,10 @@ class TrainState:
 
     epoch: int = 0  # last completed epoch
     num_updates: int = 0
-    best_valid_loss: float = math.inf
-    best_epoch: int = 0
-    bad_epochs: int = 0
+    best_valid_loss: float = math.inf  # the lowest validation loss so far (reported)
+    best_epoch: int = 0  # the best epoch by train.stop_metric (its weights are tested without averaging)
+    bad_epochs: int = 0  # epochs in a row without a gain of more than train.min_delta in train.stop_metric
+    best_score: float = math.nan  # the best train.stop_metric so far (NaN: none yet)
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -121,6 +123,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.schedule = InverseSqrtSchedule(cfg.train)
         self.state = TrainState()
+        self.stop_rule = StopRule.from_config(cfg.train)
         self.phase_index = -1  # -1: the single implicit phase (no schedule)
         if self.phases:
             if cfg.train.max_updates:
@@ -355,7 +358,8 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "vocab": self.data.vocab.to_tensor_payload(),
             "train_state": {"epoch": s.epoch, "num_updates": s.num_updates, "best_valid_loss": s.best_valid_loss,
-                            "best_epoch": s.best_epoch, "bad_epochs": s.bad_epochs, "history": s.history},
+                            "best_epoch": s.best_epoch, "bad_epochs": s.bad_epochs, "best_score": s.best_score,
+                            "history": s.history},
             "rng": {"torch": torch.get_rng_state()},
         }
 
@@ -391,7 +395,9 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.state = TrainState(epoch=ts["epoch"], num_updates=ts["num_updates"],
                                 best_valid_loss=ts["best_valid_loss"], best_epoch=ts["best_epoch"],
-                                bad_epochs=ts["bad_epochs"], history=list(ts["history"]))
+                                bad_epochs=ts["bad_epochs"], history=list(ts["history"]),
+                                # a checkpoint from before the stopping rule ranked epochs by validation loss
+                                best_score=ts.get("best_score", ts["best_valid_loss"]))
         torch.set_rng_state(ckpt["rng"]["torch"])
 
     # ------------------------------------------------------------------ the loop
@@ -411,24 +417,20 @@ class Trainer:
             if self.phases and phase_index(self.phases, epoch) != self.phase_index:
                 self.enter_phase(phase_index(self.phases, epoch))
                 # Early stopping and "best" restart with each phase: the final model comes from the last.
-                self.state.best_valid_loss, self.state.bad_epochs = math.inf, 0
+                self.state.best_valid_loss, self.state.best_score, self.state.bad_epochs = math.inf, math.nan, 0
             metrics = self.train_epoch(epoch)
             metrics.update(self.validate())
             metrics["epoch"] = float(epoch)
             if self.phases:
                 metrics["phase"] = float(self.phase_index + 1)
             self.state.epoch = epoch
-            if metrics["valid_loss"] < self.state.best_valid_loss:
-                self.state.best_valid_loss, self.state.best_epoch, self.state.bad_epochs = metrics["valid_loss"], epoch, 0
-            else:
-                self.state.bad_epochs += 1
+            self.record_stop_metric(epoch, metrics)
             self.state.history.append(metrics)
             path = self.save()
             log.info("epoch %d: %s", epoch, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             for cb in self.callbacks:
                 cb.on_epoch_end(self, epoch, metrics, path)
-            early_stop = not self.phases or self.phases[self.phase_index].early_stop
-            if tc.patience and early_stop and self.state.bad_epochs >= tc.patience:
+            if self.rule_on() and self.stop_rule.fired(self.state.bad_epochs):
                 stop_reason = f"early_stopping(patience={tc.patience})"
                 break
         else:
@@ -439,10 +441,28 @@ class Trainer:
             log.info("phases began at epochs %s; the last phase (%s) stopped: %s", self.phase_starts(),
                      self.phases[self.phase_index].name, stop_reason)
         return FitResult(epochs=self.state.epoch, num_updates=self.state.num_updates, stop_reason=stop_reason,
+                         stopped_by=stopped_by(stop_reason, self.rule_on()), stop_metric=tc.stop_metric,
+                         best_score=self.state.best_score,
                          phase=self.phases[self.phase_index].name if self.phases else None,
                          best_epoch=self.state.best_epoch, best_valid_loss=self.state.best_valid_loss,
                          fit_wall_s=time.perf_counter() - t0, schedule={p.name: p.epochs for p in self.phases},
                          phase_scale=tc.phase_scale, phase_starts=self.phase_starts())
+
+    def rule_on(self) -> bool:
+        """Whether the patience rule applies now: ``train.patience`` set and, with a schedule, the current phase
+        allows early stopping."""
+        return bool(self.cfg.train.patience) and (not self.phases or self.phases[self.phase_index].early_stop)
+
+    def record_stop_metric(self, epoch: int, metrics: dict[str, float]) -> None:
+        """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics``."""
+        s = self.state
+        s.best_valid_loss = min(s.best_valid_loss, metrics["valid_loss"])
+        value = metrics[self.stop_rule.metric]
+        best = s.best_score if not math.isnan(s.best_score) else self.stop_rule.worst
+        if self.stop_rule.improves(value, best):
+            s.best_score, s.best_epoch, s.bad_epochs = value, epoch, 0
+        else:
+            s.bad_epochs += 1
 
     def phase_starts(self) -> dict[str, int]:
         """The epoch each phase of the schedule began in this run (from the epoch history, which a resume

@@ -1,0 +1,63 @@
+"""When a run has converged: the stopping rule, and which rule ended a run.
+
+A run is *converged* only when the patience rule fired: ``train.patience`` epochs in a row did not beat the
+best ``train.stop_metric`` by more than ``train.min_delta``. A run that reached ``train.max_epochs`` or
+``train.max_updates`` with the rule on was stopped by its **cap**; a run without the rule (or whose fixed
+phase schedule ended) was stopped by its **schedule**. Reports say which (:data:`STOPPED_BY`) and call only
+the first converged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nmtcore.config import TrainConfig
+
+PATIENCE, CAP, SCHEDULE = "patience", "cap", "schedule"
+STOPPED_BY = (PATIENCE, CAP, SCHEDULE)
+_HIGHER_IS_BETTER = {"valid_loss": False, "valid_bleu": True}
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """``metric`` watched with ``patience`` epochs and a minimum gain ``min_delta`` (``patience`` 0: off)."""
+
+    metric: str
+    patience: int
+    min_delta: float
+
+    @classmethod
+    def from_config(cls, tc: TrainConfig) -> "StopRule":
+        return cls(tc.stop_metric, tc.patience, tc.min_delta)
+
+    @property
+    def higher_is_better(self) -> bool:
+        return _HIGHER_IS_BETTER[self.metric]
+
+    @property
+    def worst(self) -> float:
+        """The starting best: any finite value improves on it."""
+        return -math.inf if self.higher_is_better else math.inf
+
+    def improves(self, value: float, best: float) -> bool:
+        """Whether ``value`` beats ``best`` by more than the minimum gain."""
+        if not math.isfinite(best):
+            return math.isfinite(value)
+        gain = value - best if self.higher_is_better else best - value
+        return gain > self.min_delta
+
+    def fired(self, bad_epochs: int) -> bool:
+        """Whether ``bad_epochs`` epochs in a row without a gain end the run."""
+        return self.patience > 0 and bad_epochs >= self.patience
+
+
+def stopped_by(stop_reason: str, rule_on: bool) -> str:
+    """Which rule ended a run, from :class:`~nmtcore.engine.summary.FitResult`'s ``stop_reason`` and whether the
+    patience rule applied in its last phase: ``patience``, ``cap`` (``max_epochs``/``max_updates`` reached with the
+    rule on) or ``schedule`` (no rule: a fixed number of epochs, or a phase schedule that ran its length)."""
+    if stop_reason.startswith("early_stopping"):
+        return PATIENCE
+    if rule_on and stop_reason in ("max_epochs", "max_updates"):
+        return CAP
+    return SCHEDULE
