@@ -26,6 +26,7 @@ LAYERS = [
      "nmtcore.engine.summary"),
     ("nmtcore.decoding",),
     ("nmtcore.engine",),
+    ("nmtcore.diagnostics",),
     ("nmtcore.tracking",),
     ("nmtcore.sweep",),
     ("nmtcore.testing",),

@@ -12,14 +12,16 @@ A model is a ``torch.nn.Module`` with four required methods:
 and optional hooks, declared here with their defaults so the trainer never probes a model with
 ``hasattr``: :meth:`NMTModel.prepare` (preprocessing before the model is built), :meth:`parameter_groups`,
 :meth:`default_phases` and :meth:`set_phase` (phases are data the trainer reads), and
-:attr:`has_kd_teacher` / :attr:`idle_kd_teacher_allowed` (knowledge distillation). Losses live outside the
-model (:mod:`nmtcore.engine.losses`).
+:attr:`has_kd_teacher` / :attr:`idle_kd_teacher_allowed` (knowledge distillation), and the diagnostics of
+how much a model uses BERT (:meth:`inference_switches`, :meth:`bert_usage`, :meth:`usage_probe`; read by
+:mod:`nmtcore.diagnostics` after training). Losses live outside the model (:mod:`nmtcore.engine.losses`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterable
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Iterable, Iterator
 
 from torch import Tensor, nn
 
@@ -116,6 +118,23 @@ class NMTModel(nn.Module):
     def has_kd_teacher(self) -> bool:
         """Whether the model built a BERT teacher for knowledge distillation."""
         return False
+
+    def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
+        """Named ways of switching parts of the model on or off at inference, each a context manager factory;
+        the diagnostics decode the validation set under each (BERT-fused: the NMT branches alone, the BERT
+        branches alone, Eq. 1's mix). Default: none."""
+        return {}
+
+    def bert_usage(self) -> dict[str, float]:
+        """Figures of how much the trained model uses BERT, read off its weights (BERT-JAM: the GLU's weight
+        per BERT layer). Default: none."""
+        return {}
+
+    @contextlib.contextmanager
+    def usage_probe(self) -> Iterator[dict[str, float]]:
+        """Figures gathered over the forwards run inside the block (document context: its gates' means),
+        filled into the yielded dict when the block ends. Default: none."""
+        yield {}
 
     # ------------------------------------------------------------------ helpers for subclasses
     def groups(self, **named: Iterable[nn.Parameter]) -> dict[str, list[nn.Parameter]]:

@@ -30,7 +30,8 @@ frozen-feature cache (:mod:`nmtcore.bert`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import contextlib
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -118,6 +119,27 @@ class BertFused(Transformer):
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` and everything else (``nmt``)."""
         return self.groups(bert=self.bert.parameters())
+
+    # Inference weights per stack: encoder (attn_S, attn_B), decoder (attn_B, attn_E).
+    BRANCHES: ClassVar[dict[str, tuple[tuple[float, float], tuple[float, float]]]] = {
+        "mix": ((0.5, 0.5), (0.5, 0.5)),  # Eq. 1-2: what the model is tested with
+        "nmt_only": ((1.0, 0.0), (0.0, 1.0)),  # BERT switched off: self- and encoder-decoder attention alone
+        "bert_only": ((0.0, 1.0), (1.0, 0.0)),  # the BERT-attention branches alone
+    }
+
+    def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
+        """Decoding with Eq. 1's mix, the NMT branches alone and the BERT branches alone (every layer)."""
+        return {name: (lambda w=w: self.branch_weights(*w)) for name, w in self.BRANCHES.items()}
+
+    @contextlib.contextmanager
+    def branch_weights(self, enc: tuple[float, float], dec: tuple[float, float]) -> Iterator[None]:
+        """Inference with these drop-net weights in every encoder / decoder layer; restored after the block."""
+        saved = self.enc_drop_net.inference_weights, self.dec_drop_net.inference_weights
+        self.enc_drop_net.inference_weights, self.dec_drop_net.inference_weights = enc, dec
+        try:
+            yield
+        finally:
+            self.enc_drop_net.inference_weights, self.dec_drop_net.inference_weights = saved
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
         offset = state.step if state is not None else 0

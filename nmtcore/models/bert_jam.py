@@ -218,6 +218,22 @@ class BertJam(Transformer):
         # Factor on the GLU output: 2 in phase 1 (Section 2.4), 1 otherwise; set by set_phase.
         self.register_buffer("glu_scale", torch.tensor(1.0))
 
+    def bert_usage(self) -> dict[str, float]:
+        """The GLU's weight on each BERT layer (Eq. 8), averaged over the layers of each stack: ``glu_alpha/enc/L3``
+        is the mean over encoder layers of α_3 × the GLU scale (at init 1 on the last BERT layer, 0 elsewhere),
+        ``glu_beta/...`` the gate's β (gated GLU only). None for M2 (BERT's last layer only, no GLU)."""
+        out: dict[str, float] = {}
+        for stack, layers in (("enc", self.encoder_layers), ("dec", self.decoder_layers)):
+            glus = [layer.glu for layer in layers if layer.glu is not None]
+            if not glus:
+                continue
+            alpha = torch.stack([g.alpha.detach().float() for g in glus]).mean(0) * float(self.glu_scale)
+            out.update({f"glu_alpha/{stack}/L{i + 1}": float(a) for i, a in enumerate(alpha)})
+            if glus[0].beta is not None:
+                beta = torch.stack([g.beta.detach().float() for g in glus]).mean(0)
+                out.update({f"glu_beta/{stack}/L{i + 1}": float(b) for i, b in enumerate(beta)})
+        return out
+
     # ------------------------------------------------------------------ phases (data the trainer reads)
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` (the BERT), ``glu`` (α, β of every layer's GLU), ``nmt`` (everything else)."""

@@ -56,8 +56,9 @@ Choices where the paper is silent or ambiguous (fields where they plausibly matt
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -200,6 +201,41 @@ class DocContext(Transformer):
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """Named parameter sets a phase schedule freezes/unfreezes: ``bert`` (if any) and the rest (``nmt``)."""
         return self.groups(bert=self.bert.parameters()) if self.bert is not None else self.groups()
+
+    @contextlib.contextmanager
+    def usage_probe(self) -> Iterator[dict[str, float]]:
+        """``bert_share/enc`` and ``bert_share/dec``: the mean weight the context gates give BERT's branch over the
+        real tokens of the forwards in the block (encoder Eq. 4: 1 − g, on the context attention D; decoder
+        Eq. 6: d, on the BERT attention F); 0.5 is an even split."""
+        out: dict[str, float] = {}
+        sums = {"enc": [0.0, 0], "dec": [0.0, 0]}  # Σ share, number of (token, dimension) entries
+        real: dict[str, Tensor] = {}
+
+        def batch_masks(module: nn.Module, args: tuple) -> None:
+            batch = args[0]
+            real["enc"], real["dec"] = ~batch.src_mask, batch.tgt_in != self.pad_id  # (B, S), (B, T)
+
+        def gate_share(stack: str):
+            def hook(gate: ContextGate, args: tuple, output: Tensor) -> None:
+                g = torch.sigmoid(gate.proj(torch.cat(args, dim=-1))).float()  # (B, L, C): weight on the first input
+                share = 1 - g if stack == "enc" else g  # the encoder's first input is the self branch
+                keep = real[stack][:, :, None].expand_as(share) if share.size(1) == real[stack].size(1) else None
+                if keep is not None:  # teacher-forced forwards only (incremental steps have other lengths)
+                    sums[stack][0] += float(share[keep].sum())
+                    sums[stack][1] += int(keep.sum())
+            return hook
+
+        handles = [self.register_forward_pre_hook(batch_masks)]
+        for stack, on, layers in (("enc", self.context_encoder, self.encoder_layers),
+                                  ("dec", self.context_decoder, self.decoder_layers)):
+            if on:
+                handles += [layer.gate.register_forward_hook(gate_share(stack)) for layer in layers]
+        try:
+            yield out
+        finally:
+            for h in handles:
+                h.remove()
+        out.update({f"bert_share/{k}": total / n for k, (total, n) in sums.items() if n})
 
     def encode(self, batch: "Batch") -> EncoderOut:
         if self.bert is None:

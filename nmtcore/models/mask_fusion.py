@@ -62,9 +62,10 @@ embedding is ``E + G``; Table 4's M2 and Table 5's θ = 0 report the same 30.52,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -213,6 +214,26 @@ class MaskFusion(Transformer):
         if self.knowledge is not None and self.knowledge.mask_query is not None:
             query = list(self.knowledge.mask_query.parameters())
         return self.groups(bert=self.bert.parameters(), mask_query=query)
+
+    @contextlib.contextmanager
+    def usage_probe(self) -> Iterator[dict[str, float]]:
+        """``masked_fraction``: the share of real source tokens whose embedding the knowledge matrix masked (Eq. 4)
+        over the forwards in the block; nothing without the embedding stage."""
+        out: dict[str, float] = {}
+        counts = [0, 0]  # masked, real
+
+        def count(module: nn.Module, args: tuple, output: ModelOutput) -> None:
+            if output.knowledge_mask is not None:
+                counts[0] += int(output.knowledge_mask.sum())
+                counts[1] += int((~args[0].src_mask).sum())
+
+        handle = self.register_forward_hook(count)
+        try:
+            yield out
+        finally:
+            handle.remove()
+        if counts[1]:
+            out["masked_fraction"] = counts[0] / counts[1]
 
     # ------------------------------------------------------------------ pieces
     def bert_memory(self, bert_out: BertOut) -> Tensor:

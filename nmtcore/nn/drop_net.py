@@ -18,7 +18,8 @@ class DropNet(nn.Module):
     """Eq. 3's branch weights, drawn from a seeded generator whose state is checkpointed.
 
     ``weights()`` returns ``(w_first, w_second)``: (1, 0), (0, 1) or (½, ½) while training (one U per call;
-    the model calls it once per layer per forward), always (½, ½) in eval mode (the expectation, Eq. 1).
+    the model calls it once per layer per forward); in eval mode :attr:`inference_weights`, (½, ½): the
+    expectation (Eq. 1).
     """
 
     def __init__(self, p: float, seed: int) -> None:
@@ -27,6 +28,9 @@ class DropNet(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         # The generator's state lives in a buffer so state_dict / checkpoints carry it (resume is exact).
         self.register_buffer("drop_net_rng", gen.get_state())
+        # Eval mode's weights: the expectation of Eq. 3 (Eq. 1's average); diagnostics set (1, 0) or (0, 1) to
+        # switch a branch off (not state: never saved, never trained with).
+        self.inference_weights: tuple[float, float] = (0.5, 0.5)
 
     def draw(self) -> float:
         """One U ~ Uniform(0, 1) from the module's generator, advancing its saved state."""
@@ -38,7 +42,7 @@ class DropNet(nn.Module):
 
     def weights(self) -> tuple[float, float]:
         if not self.training:
-            return 0.5, 0.5  # E_U[Eq. 3] = Eq. 1
+            return self.inference_weights  # E_U[Eq. 3] = Eq. 1 unless a diagnostic switched a branch off
         u = self.draw()
         if u < self.p / 2:
             return 1.0, 0.0

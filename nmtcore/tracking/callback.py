@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from nmtcore.allocator import allocator_in_use
 from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
+from nmtcore.diagnostics import PREFIX, measure
 from nmtcore.engine import Callback
 from nmtcore.tracking.provenance import provenance_tags
 from nmtcore.tracking.store import Tracker, get_run_metrics
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
     from nmtcore.engine import RunSummary, Trainer
 
+STOPPED_BY_TAG = "nmtcore.stopped_by"  # which rule ended the run: patience (converged), cap or schedule
+STOP_METRIC_TAG = "nmtcore.stop_metric"
 
 def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
     """What the run's BERT is: its name, where it was found, its size and type, and its quality figure on
@@ -94,4 +97,10 @@ class TrackingCallback(Callback):
             w = summary.warm_start
             self.tracker.set_tags({"nmtcore.warm_start_source": w.source, "nmtcore.warm_start_loaded": w.loaded,
                                    "nmtcore.warm_start_fresh": w.fresh})
+        diagnostics = measure(trainer)  # how much the model used BERT (none for a model without it)
+        if diagnostics:
+            self.tracker.log_metrics({PREFIX + k: v for k, v in diagnostics.items() if math.isfinite(v)},
+                                     step=summary.epochs)
+            self.tracker.log_dict(diagnostics, "diagnostics.json")
+        self.tracker.set_tags({STOPPED_BY_TAG: summary.fit.stopped_by, STOP_METRIC_TAG: summary.fit.stop_metric})
         self.tracker.log_dict(summary.to_dict(), "summary.json")
