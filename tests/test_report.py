@@ -21,9 +21,11 @@ def hyps(quality: float, seed: int) -> list[str]:
     return [r if rng.random() < quality else "ein haus steht" for r in REFS]
 
 
-def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None):
+def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None,
+              stopped_by="patience", diagnostics=None):
     """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
-    ``curves``: (validation losses, validation BLEUs) per epoch instead of the default two epochs."""
+    ``curves``: (validation losses, validation BLEUs) per epoch instead of the default two epochs; ``stopped_by``
+    the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
             "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
@@ -51,7 +53,9 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
     hyp_file.write_text("\n".join(h) + "\n")
     run.log_artifact(hyp_file, "hypotheses")
     run.log_text("\n".join(REFS) + "\n", f"references/{SPLIT}.{LANG}")
-    run.set_tags({lifecycle.TRIAL_STATE_TAG: "complete"})
+    if diagnostics:
+        run.log_metrics({f"diag/{k}": v for k, v in diagnostics.items()}, step=2)
+    run.set_tags({lifecycle.TRIAL_STATE_TAG: "complete", **({"nmtcore.stopped_by": stopped_by} if stopped_by else {})})
     run.end("FINISHED")
 
 
@@ -257,3 +261,59 @@ def test_a_sweep_without_phases_has_no_phase_column(sweep_store):
     rep = results.build_report("toy", uri, n_bootstrap=0)
     assert all(not g.phases for g in rep.groups)
     assert "phases (first epoch)" not in report.render_markdown(rep)
+
+
+def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnostics=None):
+    """A control and one BERT arm; the control stopped by patience, the arm by ``arm_stopped_by``."""
+    uri = f"sqlite:///{tmp_path / (name + '.db')}"
+    tags = {lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+            "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})}
+    if baseline_converged is not None:
+        tags["nmtcore.baseline_converged"] = str(baseline_converged).lower()
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags=tags)
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=([5.0, 4.0, 4.1], [10.0, 20.0, 19.0]))
+    add_trial(parent, tmp_path, 1, 1, "bert_fused", 0.5, {"arm": "bert_fused"}, stopped_by=arm_stopped_by,
+              diagnostics=diagnostics)
+    parent.end()
+    return uri
+
+
+@pytest.mark.parametrize("arm_stopped_by, baseline_converged, verdict", [
+    ("patience", True, None),
+    ("patience", None, None),  # a study from scratch has no baseline
+    ("cap", True, "1 of 2 runs stopped before convergence (1 by the epoch or update cap)"),
+    ("schedule", True, "1 of 2 runs stopped before convergence (1 by a fixed schedule)"),
+    (None, True, "1 of 2 runs stopped before convergence (1 with no stopping rule recorded)"),
+    ("patience", False, "the baseline they warm-started from was not trained to convergence"),
+])
+def test_the_not_an_answer_line_and_the_stop_column_appear_exactly_when_they_should(
+        tmp_path, arm_stopped_by, baseline_converged, verdict):
+    uri = stage_sweep(tmp_path, "stage", arm_stopped_by, baseline_converged)
+    rep = results.build_report("stage", uri, n_bootstrap=0)
+    md = report.render_markdown(rep)
+    rows = {r["arm"]: r for r in report.table_rows(rep) if r["test set"] == SPLIT}
+    assert rows["control"]["stopped by"] == "patience" and rows["control"]["converged"] == "yes"
+    assert rows["bert_fused"]["stopped by"] == (arm_stopped_by or "unrecorded")
+    assert rows["bert_fused"]["converged"] == ("yes" if arm_stopped_by == "patience" else "no")
+    js = {r["arm"]: r for r in report.json_rows(rep)}
+    assert js["bert_fused"]["stopped_by"] == {arm_stopped_by or "unrecorded": 1}
+    if verdict is None:
+        assert rep.not_an_answer() == "" and md.startswith("### ") and "Not an answer" not in md
+    else:
+        first = md.splitlines()[0]
+        assert first.startswith("**Not an answer: ") and verdict in first and md.count("Not an answer") == 1
+
+
+def test_the_report_says_how_each_arm_used_bert_and_draws_every_runs_validation_curve(tmp_path):
+    figures = {"valid_bleu/mix": 30.5, "valid_bleu/nmt_only": 31.2, "valid_bleu/bert_only": 16.0}
+    uri = stage_sweep(tmp_path, "diag", "patience", True, diagnostics=figures)
+    rep = results.build_report("diag", uri, n_bootstrap=0)
+    js = {r["arm"]: r for r in report.json_rows(rep)}
+    assert js["bert_fused"]["diagnostics"] == pytest.approx(figures) and js["control"]["diagnostics"] == {}
+    md = report.render_markdown(rep)
+    assert "**How each arm used BERT**" in md and "best validation BLEU over its epochs, for comparison: 20.00" in md
+    assert "| valid_bleu/nmt_only | 31.200 |" in md and "| valid_bleu/bert_only | 16.000 |" in md
+    files = report.write_report(rep, tmp_path / "out")
+    curves = tmp_path / "out" / "valid_curves.png"
+    assert curves in files and curves.stat().st_size > 5000
+    assert [len(c["valid_bleu"]) for _, c in rep.groups[0].curves] == [3]

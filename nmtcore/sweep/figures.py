@@ -5,7 +5,8 @@
   mean BLEU, or its BLEU where the study has no control;
 * ``curve.png`` for one-dimensional numeric sweeps (θ, p_net, α): BLEU (mean ± sd over seeds) against the
   key, the control as a horizontal band;
-* ``bleu_vs_cost.png`` always.
+* ``bleu_vs_cost.png`` always;
+* ``valid_curves.png``: every run's validation BLEU (and loss) per epoch, arms and control on one plot.
 
 One figure per test set would repeat the story; the figures use the report's first test set.
 """
@@ -34,7 +35,34 @@ def figures(report: SweepReport, out: Path) -> list[Path]:
         files.append(_curve(report, plot["x"], out / "curve.png", plt))
     if report.test_splits:
         files.append(_cost(report, out / "bleu_vs_cost.png", plt))
+    if any(c for g in report.groups for _, c in g.curves):
+        files.append(_valid_curves(report, out / "valid_curves.png", plt))
     return files
+
+
+def _valid_curves(report: SweepReport, path: Path, plt: Any) -> Path:
+    """Validation BLEU and loss against the epoch, one colour per arm (the control black), one line per seed."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arms = [g for g in report.groups if g.curves]
+    for i, g in enumerate(arms):
+        colour = "k" if g.control else colours[i % len(colours)]
+        for j, (seed, curve) in enumerate(g.curves):
+            for ax, key in ((axes[0], "valid_bleu"), (axes[1], "valid_loss")):
+                ys = curve.get(key) or []
+                if ys:
+                    ax.plot(range(1, len(ys) + 1), ys, color=colour, marker=".", alpha=0.85,
+                            label=g.label if j == 0 else None)
+    for ax, label in ((axes[0], "validation BLEU (greedy)"), (axes[1], "validation loss (bits)")):
+        ax.set_xlabel("epoch of the run")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report.sweep}: validation curves, every run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _mean(values: Any) -> float | None:

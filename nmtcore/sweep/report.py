@@ -12,12 +12,16 @@ baseline model trained the same way without BERT, the first row) — or, in a st
 its reference configuration — ΔBLEU (difference of the means), its 95% confidence interval and two-sided
 p-value from a paired bootstrap (Koehn 2004; sacreBLEU statistics, 1000 resamples) over the hypotheses of
 the seeds both completed, pooled, and with two or more seeds a paired t-test across seeds; then the
-budget each arm had (epochs, updates, wall time) and whether its validation loss was still falling at its
-last epoch (an arm stopped before it converged is flagged, never compared silently).
+budget each arm had (epochs, updates, wall time), which rule stopped its runs (``patience``: converged;
+``cap``: the epoch or update cap with the rule on; ``schedule``: a fixed budget) and ``converged`` = every run
+stopped by patience. A report in which any run — or the baseline the arms warm-started from — did not
+converge opens with one line saying its Δs are not an answer. Below the tables, how each arm used BERT
+(:mod:`nmtcore.diagnostics`), and ``valid_curves.png``: every run's validation BLEU per epoch on one plot.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
 set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,
-``test_set`` and more), ``report.json`` (everything), and the figures of :mod:`nmtcore.sweep.figures`.
+``test_set``, ``stopped_by``, ``converged``, ``diagnostics`` and more), ``report.json`` (everything), and the
+figures of :mod:`nmtcore.sweep.figures`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nmtcore import tracking
+from nmtcore.engine.stopping import PATIENCE
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.results import (
     Comparison,
@@ -60,7 +65,10 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
-                "still_improving": g.still_improving, "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
+                "still_improving": g.still_improving, "stopped_by": _counts(g.stopped_by),
+                "converged": bool(g.stopped_by) and all(rule == PATIENCE for rule in g.stopped_by),
+                "diagnostics": {name: mean(values) for name, values in sorted(g.diagnostics.items())},
+                "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
                 "bert": g.bert, "bert_layers": g.bert_layers, "bert_hidden": g.bert_hidden,
                 "bert_quality": g.bert_quality, "trials": {s: n for s, n in sorted(g.status.items())},
                 **{name: mean(g.extra.get(name, [])) for name in report.space.get("report_metrics") or []},
@@ -88,7 +96,9 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "epochs": _f(row["epochs"], 1),
             **({"phases (first epoch); stop": row["phases"]} if any(g.phases for g in report.groups) else {}),
             "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
-            "converged": ("" if not row["n_seeds"] else "no (still improving)" if row["still_improving"] else "yes"),
+            "stopped by": ", ".join(rule if n == 1 and len(row["stopped_by"]) == 1 else f"{rule} {n}"
+                                    for rule, n in row["stopped_by"].items()),
+            "converged": "" if not row["stopped_by"] else "yes" if row["converged"] else "no",
             "BERT": row["bert"] or "—",
             "BERT L×H": f"{row['bert_layers']}×{row['bert_hidden']}" if row["bert_layers"] else "—",
             "BERT quality": _f(row["bert_quality"], 3),
@@ -106,6 +116,9 @@ def render_markdown(report: SweepReport) -> str:
             "mean ± sd over seeds. ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds "
             "pooled) against the reference; p (seeds): paired t-test across seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
+    verdict = report.not_an_answer()
+    if verdict:
+        head = [f"**{verdict}**", ""] + head
     rows = table_rows(report)
     if not rows:
         return "\n".join(head + ["(no trials)"]) + "\n"
@@ -115,8 +128,32 @@ def render_markdown(report: SweepReport) -> str:
         cols = list(part[0])
         lines += [f"**{split}**", "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
+    lines += diagnostics_table(report)
     tail = [f"- warning: {w}" for w in report.warnings]
     return "\n".join(head + lines + tail) + "\n"
+
+
+def diagnostics_table(report: SweepReport) -> list[str]:
+    """How much each arm used BERT (:mod:`nmtcore.diagnostics`, mean over seeds): one row per figure, one column
+    per arm; nothing when no arm has a figure."""
+    arms = [g for g in report.groups if g.diagnostics]
+    if not arms:
+        return []
+    names = sorted({name for g in arms for name in g.diagnostics})
+    ref = report.reference
+    lines = ["**How each arm used BERT** (validation set, the tested weights; mean over seeds). "
+             "`valid_bleu/<switch>`: greedy validation BLEU with only those branches on (BERT-fused: `mix` = Eq. 1, "
+             "what is tested; `nmt_only` = BERT switched off; `bert_only` = the BERT-attention branches alone)"
+             + (f"; the {ref.label}'s best validation BLEU over its epochs, for comparison: "
+                f"{_f(mean([max(c['valid_bleu']) for _, c in ref.curves if c.get('valid_bleu')]))}"
+                if ref is not None and ref.control else "")
+             + ". `bert_usage/...`: read off the weights (BERT-JAM: GLU weight per BERT layer, Eq. 8); "
+             "`probe/...`: over one pass of the validation set (document context: the gates' weight on BERT; "
+             "mask fusion: the masked fraction).", "",
+             "| figure | " + " | ".join(g.label for g in arms) + " |", "|---|" + "|".join("---" for _ in arms) + "|"]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(_f(mean(g.diagnostics.get(name, [])), 3) for g in arms) + " |")
+    return lines + [""]
 
 
 def write_report(report: SweepReport, out_dir: str | os.PathLike) -> list[Path]:
@@ -153,8 +190,16 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
     return {"sweep": report.sweep, "parent_run_id": report.parent_run_id, "study": report.study,
             "space": report.space, "metric": report.metric, "test_splits": report.test_splits,
             "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
+            "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings}
+
+
+def _counts(rules: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for rule in rules:
+        out[rule] = out.get(rule, 0) + 1
+    return out
 
 
 def _sd(xs: list[float]) -> float | None:

@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 
 from nmtcore import bleu, tracking
+from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
+from nmtcore.engine.stopping import PATIENCE
 from nmtcore.engine.summary import still_improving
 from nmtcore.sweep.lifecycle import (
     ARM_TAG,
@@ -25,8 +27,11 @@ from nmtcore.sweep.lifecycle import (
     trial_state,
 )
 from nmtcore.sweep.space import CONTROL
+from nmtcore.tracking.callback import STOPPED_BY_TAG
 
 CONFIG_KEY_TAG = "nmtcore.config_key"
+_STOPPED_BY_WORDS = {"cap": "by the epoch or update cap", "schedule": "by a fixed schedule",
+                     "unrecorded": "with no stopping rule recorded"}
 SEED_TAG = "nmtcore.seed"
 
 
@@ -67,6 +72,9 @@ class Group:
     parameters: float | None = None
     tokens_per_s: float | None = None
     still_improving: int = 0  # completed runs whose validation loss was still falling or BLEU still rising at the end
+    stopped_by: list[str] = field(default_factory=list)  # per completed run: patience, cap, schedule (or unrecorded)
+    diagnostics: dict[str, list[float]] = field(default_factory=dict)  # nmtcore.diagnostics figure → per run
+    curves: list[tuple[str, dict[str, list[float]]]] = field(default_factory=list)  # per completed run: seed, curves
     status: dict[str, int] = field(default_factory=dict)
     bert: str = ""  # the BERT as resolved (name, or size -> what answered it)
     bert_layers: int | None = None
@@ -94,6 +102,32 @@ class SweepReport:
     groups: list[Group]
     reference: Group | None
     warnings: list[str]
+    baseline_converged: bool | None = None  # a warm-started study's shared baseline; None without one
+
+    def unconverged_runs(self) -> dict[str, int]:
+        """The completed runs (arms and control) that no patience rule stopped, counted by what stopped them."""
+        counts: dict[str, int] = {}
+        for g in self.groups:
+            for rule in g.stopped_by:
+                if rule != PATIENCE:
+                    counts[rule] = counts.get(rule, 0) + 1
+        return counts
+
+    def not_an_answer(self) -> str:
+        """One plain line when this study's Δs are not an answer (a run, or the baseline the arms started from,
+        stopped before convergence), else ""."""
+        counts = self.unconverged_runs()
+        total = sum(len(g.stopped_by) for g in self.groups)
+        parts = []
+        if counts:
+            how = ", ".join(f"{n} {_STOPPED_BY_WORDS.get(rule, 'by ' + rule)}" for rule, n in sorted(counts.items()))
+            parts.append(f"{sum(counts.values())} of {total} runs stopped before convergence ({how})")
+        if self.baseline_converged is False:
+            parts.append("the baseline they warm-started from was not trained to convergence")
+        if not parts:
+            return ""
+        return ("Not an answer: " + "; ".join(parts) + ". The Δs below compare models the budget cut short, not "
+                "what BERT does; run the converged budget (patience rule) for an answer.")
 
 
 # ================================================================================== building
@@ -136,10 +170,12 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
     if parent.tags.get("nmtcore.baseline_converged") == "false":
         warnings.append("the shared baseline's validation loss was still falling at its last epoch: arms start "
                         "from a model that had not converged")
+    converged = parent.tags.get("nmtcore.baseline_converged")
     return SweepReport(sweep=parent.tags.get(SWEEP_TAG, sweep), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, protocol=parent.tags.get("nmtcore.protocol", ""), groups=groups,
-                       reference=reference, warnings=warnings)
+                       reference=reference, warnings=warnings,
+                       baseline_converged=None if converged is None else converged == "true")
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
@@ -194,6 +230,11 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
         g.still_improving += still_improving(history) or bleu_still_rising(curve.get("valid_bleu", []))
+        g.stopped_by.append(r.tags.get(STOPPED_BY_TAG, "unrecorded"))
+        g.curves.append((seed, curve))
+        for name, value in r.metrics.items():
+            if name.startswith(DIAGNOSTICS_PREFIX):
+                g.diagnostics.setdefault(name[len(DIAGNOSTICS_PREFIX):], []).append(value)
         for name in extra:
             if name in r.metrics:  # the run's last logged value
                 g.extra.setdefault(name, []).append(r.metrics[name])
