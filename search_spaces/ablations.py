@@ -26,7 +26,7 @@ control an average of its last epochs: set ``train.average_last=1`` with it (the
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, WARM_START
+from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "ablations"
 DEFAULTS = MINILM
@@ -53,7 +53,7 @@ SPACES = {
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
-        STUDY, "mask_fusion", "mask_fusion", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE,
+        STUDY, "mask_fusion", "mask_fusion", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
         arms={
             "M0_full": {"model.bert_layers": "all", "model.embedding_fusion": "mask",
                         "model.adaptive_fusion": True},
@@ -94,7 +94,7 @@ SPACES = {
     # Both studies need a document corpus: --set data.corpus=docparallel (or maruf2019_*) and its data_dir.
     "doc_context_integration": SearchSpace(
         STUDY, "doc_context_integration", "doc_context", defaults=DEFAULTS, protocol=WARM_START,
-        budget=STAGE,
+        budget=STAGE, budgets=STAGE_BUDGETS,
         arms={
             "sentence_level": {"model.context_integration": "none"},
             "encoder": {"model.context_integration": "encoder"},
@@ -107,7 +107,7 @@ SPACES = {
     # ...and which context BERT reads (Table 4, Li et al. 2020's protocol): the previous sentence of the
     # document, a sentence of random source-vocabulary words, or one fixed sentence.
     "doc_context_type": SearchSpace(
-        STUDY, "doc_context_type", "doc_context", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE,
+        STUDY, "doc_context_type", "doc_context", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
         arms={
             "context": {"model.context_type": "real"},
             "random": {"model.context_type": "random"},

@@ -5,16 +5,16 @@ Evaluated on both Multi30k test sets; run with ``--seeds 3`` for a test across s
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import MINILM, STAGE, WARM_START
+from search_spaces.protocols import MINILM, QUICK_STAGE, STAGE, WARM_START
 
 STUDY = "bert_benefit"
 DEFAULTS = {**MINILM, "data.test_splits": ["test_2016_flickr", "test_2017_flickr"]}
-BUDGET = {**STAGE, "train.max_epochs": 5}  # the shared second-stage schedule, 5 epochs
+BUDGETS = {"converged": STAGE, "quick": {**QUICK_STAGE, "train.max_epochs": 5}}  # quick: its earlier 5 epochs
 
 SPACES = {
     "bert_fused": SearchSpace(
         STUDY, "bert_fused", "bert_fused", arms={"bert_fused": {"model.p_net": 1.0}}, protocol=WARM_START,
-        budget=BUDGET, defaults=DEFAULTS, citation="Zhu et al. 2020, Incorporating BERT into NMT",
+        budget=STAGE, budgets=BUDGETS, defaults=DEFAULTS, citation="Zhu et al. 2020, Incorporating BERT into NMT",
         description="BERT-fused (MiniLM, drop-net 1.0) vs the control, both warm-started from the baseline"),
 }
 DEFAULT = "bert_fused"

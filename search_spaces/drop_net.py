@@ -2,7 +2,7 @@
 through only its BERT-attention or only its encoder-attention branch instead of their average."""
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
-from search_spaces.protocols import MINILM, STAGE, WARM_START
+from search_spaces.protocols import MINILM, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "drop_net"
 MODEL = "bert_fused"
@@ -11,12 +11,18 @@ DEFAULTS = MINILM
 
 SPACES = {
     "grid": SearchSpace(
-        STUDY, "grid", MODEL, params={KEY: grid(steps(0.0, 1.0, 0.25))}, protocol=WARM_START, budget=STAGE,
+        STUDY, "grid", MODEL, params={KEY: grid(steps(0.0, 1.0, 0.25))}, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
         defaults=DEFAULTS, plot=Curve(KEY), citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net",
         description="drop-net rate p_net in {0, 0.25, 0.5, 0.75, 1}"),
+    # Is it the stage or drop-net that leaves BERT-fused behind its control? Run on both budgets.
+    "cause": SearchSpace(
+        STUDY, "cause", MODEL, params={KEY: grid((0.0, 0.5, 1.0))}, protocol=WARM_START, budget=STAGE,
+        budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY),
+        citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net",
+        description="BERT-fused with p_net in {0, 0.5, 1} against the control (the cause experiment)"),
     "optuna": SearchSpace(
         STUDY, "optuna", MODEL, params={KEY: uniform(0.0, 1.0)}, num_samples=12, early_stopping=True,
-        protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY),
+        protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY),
         description="drop-net rate p_net ~ U[0, 1], Optuna TPE + ASHA"),
 }
 DEFAULT = "grid"

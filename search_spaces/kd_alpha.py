@@ -9,7 +9,7 @@ control, a Transformer without a teacher, must train without KD). The paper's ow
 """
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, uniform
-from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, WARM_START
+from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "kd_alpha"
 KEY = "train.kd_alpha"
@@ -24,12 +24,12 @@ _PLM_GRID = grid((0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0))
 
 SPACES = {
     "baseline_kd": SearchSpace(
-        STUDY, "baseline_kd", "transformer", params={KEY: _KD_GRID}, protocol=WARM_START, budget=STAGE,
+        STUDY, "baseline_kd", "transformer", params={KEY: _KD_GRID}, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
         defaults=DEFAULTS, plot=Curve(KEY), citation="CTNMT (Yang et al. 2020); PLM-sponsored NMT Eq. 4-5",
         description="baseline Transformer + KD from BERT, alpha in {0, 0.2, ..., 0.8, 0.9} vs alpha = 1 (control)"),
     "baseline_kd_optuna": SearchSpace(
         STUDY, "baseline_kd_optuna", "transformer", params={KEY: uniform(0.0, 0.95)}, num_samples=12,
-        early_stopping=True, protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY),
+        early_stopping=True, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY),
         description="baseline Transformer + KD from BERT, alpha ~ U[0, 0.95], Optuna TPE + ASHA"),
     "plm_sponsored": SearchSpace(
         STUDY, "plm_sponsored", "plm_sponsored", params={KEY: _PLM_GRID}, fixed=_PLM, protocol=FROM_SCRATCH,

@@ -10,7 +10,7 @@ about 0, 0.002, 0.03, 0.10 and 0.24 for θ = 0.01 … 0.05 (``tests/test_mask_fu
 """
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
-from search_spaces.protocols import MINILM, STAGE, WARM_START
+from search_spaces.protocols import MINILM, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "mask_threshold"
 MODEL = "mask_fusion"
@@ -20,13 +20,13 @@ MASKED = ("valid_masked_fraction",)  # the report's column beside BLEU: what eac
 
 SPACES = {
     "paper": SearchSpace(
-        STUDY, "paper", MODEL, params={KEY: grid(steps(0.0, 0.05, 0.01))}, protocol=WARM_START, budget=STAGE,
+        STUDY, "paper", MODEL, params={KEY: grid(steps(0.0, 0.05, 0.01))}, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
         defaults=DEFAULTS, plot=Curve(KEY), citation="two-stage interactive fusion (seed 004), Table 5",
         report_metrics=MASKED,
         description="mask threshold θ in {0, 0.01, ..., 0.05} (the paper's grid)"),
     "optuna": SearchSpace(
         STUDY, "optuna", MODEL, params={KEY: uniform(0.0, 0.05)}, num_samples=12, early_stopping=True,
-        protocol=WARM_START, budget=STAGE, defaults=DEFAULTS, plot=Curve(KEY), report_metrics=MASKED,
+        protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY), report_metrics=MASKED,
         description="mask threshold θ ~ U[0, 0.05], Optuna TPE + ASHA"),
 }
 DEFAULT = "paper"

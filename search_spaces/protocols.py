@@ -1,21 +1,40 @@
-"""What the studies share: the offline BERT they default to, the two protocols, the arms' budget after a
-warm start."""
+"""What the studies share: the offline BERT they default to, the two protocols, the budgets of the arms.
+
+Convergence is a budget (:mod:`nmtcore.engine.stopping`): a run trains until ``train.patience`` epochs in a
+row fail to raise greedy validation BLEU by more than ``train.min_delta``, under an epoch cap that only guards
+against a run that never settles. The shared baseline trains so; the arms' second stage after a warm start
+does too, as the papers train it.
+
+The second stage is the papers' (BERT-fused's code: ``--warmup-from-nmt --reset-lr-scheduler``, the same
+``--lr``/``--warmup-updates`` as the baseline's training): the baseline's weights, the BERT side fresh, a new
+optimizer, the update counter at 0, and the baseline's own inverse-square-root schedule restarted with its
+full warm-up. The rule for the warm-up's length on another corpus: the same number of epochs. The paper's
+4000 updates are ~3.5 epochs of IWSLT'14 (160k sentence pairs, ~1.1k updates of 4k tokens an epoch); the
+``multi30k_small`` preset's 400 updates are 3.4 epochs of Multi30k's ~119 — so the stage sets neither
+``train.lr`` nor ``train.warmup_updates`` and runs the preset's (1e-3, 400 updates), whatever preset the
+baseline was trained with.
+
+``quick`` is the earlier short stage, kept as a named budget (``--budget quick``): 3 epochs, a 100-update
+warm-up to 5e-4. It stops every arm before convergence; its reports say that their Δs are not an answer.
+"""
 
 from nmtcore.sweep.space import Protocol
 
 # The BERT a study uses unless the user sets another: the packaged, offline all-MiniLM-L6-v2.
 MINILM = {"model.bert.name": "minilm"}
+# The stopping rule every converged budget uses.
+CONVERGE = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1}
+# The shared baseline: trained to convergence, once per (config, data, seed, code).
+BASELINE_BUDGET = {**CONVERGE, "train.max_epochs": 60}
 # Arms and control start from the shared converged baseline (BERT-fused, document context, mask fusion; the
 # baseline+KD Transformer): the papers' procedure.
-WARM_START = Protocol()
+WARM_START = Protocol(baseline_budget=BASELINE_BUDGET)
 # Arms and control train from scratch with the same budget (BERT-JAM and PLM-sponsored do in their papers).
 FROM_SCRATCH = Protocol(warm_start=False)
-# The second stage after a warm start, for every arm and the control alike. The papers train it to convergence;
-# here it is 3 epochs (~360 updates on Multi30k), stated in every report. Its learning rate continues where the
-# baseline's schedule ends instead of restarting it: multi30k_small ends its 10 epochs (~1200 updates, warm-up
-# 400 to 1e-3, inverse square root) at ~5.8e-4, so the stage warms up over 100 updates (the fresh BERT-side
-# parameters get a warm-up) to 5e-4 and decays from there. Restarting at the baseline's peak 1e-3 with its
-# 400-update warm-up (this file's earlier schedule, and the BERT-fused code's scheduler reset) kept all 3 epochs
-# inside the warm-up and lowered the control's validation BLEU from 34.8 to 32.5
-# (results/bert_size_grid-demo-partial): the comparison then measured recovery from the restart, not BERT.
-STAGE = {"train.max_epochs": 3, "train.lr": 5e-4, "train.warmup_updates": 100}
+# The papers' second stage: the baseline's schedule restarted, trained to convergence.
+CONVERGED_STAGE = {**CONVERGE, "train.max_epochs": 40}
+# The earlier short stage: a fixed 3 epochs (~360 updates on Multi30k), not to convergence.
+QUICK_STAGE = {"train.max_epochs": 3, "train.lr": 5e-4, "train.warmup_updates": 100}
+# What ``--budget`` chooses among, for every warm-started study.
+STAGE_BUDGETS = {"converged": CONVERGED_STAGE, "quick": QUICK_STAGE}
+STAGE = CONVERGED_STAGE

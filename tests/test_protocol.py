@@ -125,8 +125,10 @@ def test_every_bert_study_runs_under_the_protocol():
 def test_the_protocol_line_states_the_arms_schedule():
     """The report's protocol line says how the arms and the control were trained after the warm start, so a
     reader sees a schedule shorter than the paper's instead of assuming it."""
+    from dataclasses import replace
+
     from nmtcore.sweep.driver import describe_protocol
-    from search_spaces.protocols import STAGE
+    from search_spaces.protocols import QUICK_STAGE, STAGE
 
     space = SearchSpace("s", "v", "bert_fused", params={"model.p_net": grid((0.5, 1.0))}, protocol=WARM_START,
                         budget=STAGE)
@@ -134,14 +136,20 @@ def test_the_protocol_line_states_the_arms_schedule():
     assert "control arm: yes" in line and "second stage, arms and control alike" in line
     for key, value in STAGE.items():
         assert f"{key}={value:g}" in line if isinstance(value, float) else f"{key}={value}" in line
-    assert "not to convergence" in line
-    # What the arms really ran: a shortened stage (--arms-set train.max_epochs=1) is what the line says.
+    assert "; to convergence: stopped after 3 epochs without a gain of more than 0.1 in valid_bleu" in line
+    assert "not to convergence" not in line
     from nmtcore.config import preset
 
-    short = preset("multi30k_small").with_overrides({**STAGE, "train.max_epochs": 1})
-    line = describe_protocol(space, None, short)
+    converged = describe_protocol(space, None, preset("multi30k_small").with_overrides(STAGE))
+    assert "the schedule restarted: update 0, a fresh optimizer, warm-up 400 updates to lr 0.001" in converged
+    quick = replace(space, budget=QUICK_STAGE)
+    assert "(a fixed number of epochs, not to convergence)" in describe_protocol(quick, None)
+    # What the arms really ran: a shortened stage (--arms-set train.max_epochs=1) is what the line says.
+    short = preset("multi30k_small").with_overrides({**QUICK_STAGE, "train.max_epochs": 1})
+    line = describe_protocol(quick, None, short)
     assert "alike: train.lr=0.0005, train.max_epochs=1, train.warmup_updates=100" in line, line
-    assert f"(the study's train.max_epochs={STAGE['train.max_epochs']} overridden)" in line
+    assert f"(the study's train.max_epochs={QUICK_STAGE['train.max_epochs']} overridden)" in line
+    assert "warm-up 100 updates to lr 0.0005" in line
     patient = SearchSpace("s", "v", "bert_fused", params={"model.p_net": grid((0.5, 1.0))}, protocol=FROM_SCRATCH,
                           budget={"train.max_epochs": 50, "train.patience": 5})
     line = describe_protocol(patient, None)

@@ -229,7 +229,27 @@ def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone
 
     base, baseline = made()
     short, short_baseline = made(arms=["train.max_epochs=1"])
-    assert base.train.max_epochs == 3 and short.train.max_epochs == 1
+    assert base.train.max_epochs == space.budget["train.max_epochs"] and short.train.max_epochs == 1
     assert short_baseline == baseline and baseline_key(short_baseline, {}, "c") == baseline_key(baseline, {}, "c")
     both, both_baseline = made(set_=["train.max_epochs=1"])
     assert both.train.max_epochs == 1 and both_baseline.train.max_epochs == 1
+
+
+def test_warm_started_studies_train_to_convergence_by_default_and_keep_the_quick_stage_by_name():
+    """Every warm-started study's default budget is the patience rule (and its baseline's too); ``--budget quick``
+    runs the short fixed stage under its own variant name; an unknown budget is one line naming the known."""
+    from nmtcore.sweep.space import SpaceError
+    from search_spaces.protocols import QUICK_STAGE
+
+    warm = [s for s in search_spaces.all_spaces() if s.protocol is not None and s.protocol.warm_start]
+    assert warm
+    for space in warm:
+        assert space.budget.get("train.patience", 0) > 0 and space.budget_name == "converged", space.name
+        assert space.protocol.baseline_budget.get("train.patience", 0) > 0, space.name
+        quick = space.with_budget("quick")
+        assert quick.variant == f"{space.variant}-quick" and quick.budget_name == "quick"
+        assert not quick.budget.get("train.patience") and quick.protocol == space.protocol
+    grid = search_spaces.get_space("bert_size_grid:demo")
+    assert grid.with_budget("quick").budget == QUICK_STAGE and grid.with_budget("converged") is grid
+    with pytest.raises(SpaceError, match="no budget 'slow' \\(budgets: converged, quick\\)"):
+        grid.with_budget("slow")

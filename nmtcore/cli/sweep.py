@@ -1,6 +1,6 @@
 """The command line every sweep entry point shares (``sweeps/<study>.py`` only names its study).
 
-    python sweeps/<study>.py [--variant V] [--smoke-test] [--resume] [--address HOST:PORT]
+    python sweeps/<study>.py [--variant V] [--budget B] [--smoke-test] [--resume] [--address HOST:PORT]
                              [--tracking-uri URI] [--data-dir DIR] [--seeds N] [--max-concurrent N] ...
 
 Default: a local Ray cluster (dashboard on 127.0.0.1), a local sqlite MLflow store, Ray results under
@@ -40,6 +40,8 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
     p.add_argument("--smoke-test", action="store_true", help="tiny synthetic task, at most 2 trials, temp storage")
     p.add_argument("--data-dir", help="corpus directory (default: $NMTCORE_DATA, else ../shared/data if present)")
     p.add_argument("--model", help="model the study runs on (default: the search space's)")
+    p.add_argument("--budget", help="the arms' named budget (the study's budgets; default: its own, "
+                                     "to convergence where the study trains so; quick: a short fixed stage)")
     p.add_argument("--preset", default="multi30k_small", help="base experiment preset")
     p.add_argument("--config", help="base experiment YAML (instead of --preset)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -127,11 +129,13 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     space = study.SPACES[args.variant]
     if args.model:
         space = space.with_model(args.model)
+    if args.budget:
+        space = space.with_budget(args.budget)
     if args.smoke_test:
         space = space.shrunk(2)
     base, baseline, smoke = base_experiment(space, args)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepSettings) if hasattr(args, f.name)}
-    values["name"] = args.name or f"{study.STUDY}-{args.variant}" + ("-smoke" if args.smoke_test else "")
+    values["name"] = args.name or f"{study.STUDY}-{space.variant}"  # the variant names a smoke test and a budget
     values["storage"] = args.storage or smoke.get("storage") or default_storage()
     values["tracking_uri"] = args.tracking_uri or smoke.get("tracking_uri")
     values["baseline_store"] = args.baseline_store or smoke.get("baseline_store")

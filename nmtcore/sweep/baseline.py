@@ -63,8 +63,13 @@ class Baseline:
 
     @property
     def converged(self) -> bool:
-        """False when its validation loss was still falling at its last epoch."""
+        """True only when the patience rule stopped its training (:mod:`nmtcore.engine.stopping`)."""
         return bool(self.meta.get("converged", False))
+
+    @property
+    def stopped_by(self) -> str:
+        """Which rule stopped its training: patience, cap or schedule."""
+        return str(self.meta.get("fit", {}).get("stopped_by", "schedule"))
 
 
 def code_digest() -> str:
@@ -196,14 +201,16 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
                    .get("valid_loss", [])]
         meta = {"format": BASELINE_FORMAT, "key": key, "config": cfg.to_dict(), "weight_config": weight_config(cfg),
                 "data": dict(data.checksums), "code": code_digest(), "fit": summary.to_dict(),
-                "valid_losses": history, "converged": not still_improving(history),
+                "valid_losses": history, "converged": summary.fit.converged,
+                "still_improving": still_improving(history),
                 "test": {k: {"bleu": v.bleu, "chrf": v.chrf} for k, v in summary.test.items()},
                 "wall_s": time.perf_counter() - t0, "mlflow_run_id": tracker.run_id,
                 "tracking_uri": tracker.tracking_uri, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tracker.set_tags({"nmtcore.converged": meta["converged"]})
     atomic_write_text(home / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
     progress(f"{label}: done in {_minutes(meta['wall_s'])}, {summary.epochs} epochs, valid loss "
-             f"{summary.fit.best_valid_loss:.4f}" + ("" if meta["converged"] else " (STILL IMPROVING at its last epoch)"))
+             f"{summary.fit.best_valid_loss:.4f}, stopped by {summary.fit.stopped_by}"
+             + ("" if meta["converged"] else " (NOT CONVERGED: the patience rule did not fire)"))
     return Baseline(key, home / "baseline.pt", meta, True)
 
 

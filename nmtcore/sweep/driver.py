@@ -256,8 +256,17 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
              + (text or "the base experiment's"))
     if changed:
         stage += f" (the study's {', '.join(f'{k}={space.budget[k]}' for k in sorted(changed))} overridden)"
-    if "train.max_epochs" in budget and not budget.get("train.patience"):
+    patience = flat.get("train.patience", budget.get("train.patience"))
+    if patience:
+        stage += (f"; to convergence: stopped after {patience} epochs without a gain of more than "
+                  f"{flat.get('train.min_delta', budget.get('train.min_delta', 0))} in "
+                  f"{flat.get('train.stop_metric', budget.get('train.stop_metric', 'valid_loss'))}, "
+                  f"capped at {flat.get('train.max_epochs', budget.get('train.max_epochs'))} epochs")
+    elif "train.max_epochs" in budget:
         stage += " (a fixed number of epochs, not to convergence)"
+    if p.warm_start and base is not None:
+        stage += (f"; the schedule restarted: update 0, a fresh optimizer, warm-up {base.train.warmup_updates} "
+                  f"updates to lr {base.train.lr:g}")
     return f"arms {start}; control arm: {'yes' if p.control else 'no'}; {stage}"
 
 

@@ -217,6 +217,8 @@ class SearchSpace:
             applied before the user's ``--set``, which therefore wins; smoke tests keep them too.
         budget: the arms' run budget and schedule (``train.max_epochs``, ``train.lr``...), applied by
             the entry points to the base config *before* the user's ``--set``, which therefore wins.
+        budgets: named budgets an entry point may run instead (``--budget quick``: :meth:`with_budget`);
+            the one equal to ``budget`` is the default.
         protocol: how arms are trained and compared (:class:`Protocol`); ``None`` = plain trials, compared
             with ``reference`` (a study that tunes the baseline itself).
         report_metrics: per-epoch metrics the trials log that the report shows per arm beside BLEU (their
@@ -238,6 +240,7 @@ class SearchSpace:
     description: str = ""
     citation: str = ""
     budget: Mapping[str, Any] = field(default_factory=dict)
+    budgets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     protocol: Protocol | None = None
     report_metrics: tuple[str, ...] = ()
@@ -374,6 +377,20 @@ class SearchSpace:
         """The same study around another model (``--model``)."""
         return replace(self, model=model)
 
+    @property
+    def budget_name(self) -> str:
+        """The name of the budget this space runs (a key of ``budgets``), or "" for an unnamed one."""
+        return next((name for name, b in self.budgets.items() if dict(b) == dict(self.budget)), "")
+
+    def with_budget(self, name: str) -> "SearchSpace":
+        """The same study on its named budget ``name``; a budget other than the default names the variant
+        ``<variant>-<name>`` (its sweep, results and report stay apart from the default's)."""
+        if name not in self.budgets:
+            raise SpaceError(f"{self.name}: no budget {name!r} (budgets: {', '.join(self.budgets) or 'none'})")
+        if dict(self.budgets[name]) == dict(self.budget):
+            return self
+        return replace(self, variant=f"{self.variant}-{name}", budget=self.budgets[name])
+
     def shrunk(self, n_trials: int = 2) -> "SearchSpace":
         """A smoke-test version with at most ``n_trials`` configurations: the first grid dimension keeps
         its first ``n_trials`` values, other grid dimensions and the arms their first; a sampled space
@@ -418,5 +435,5 @@ class SearchSpace:
                     "baseline_model": self.protocol.baseline_model,
                     "baseline_budget": dict(self.protocol.baseline_budget)},
                 "plot": plot, "description": self.description, "citation": self.citation,
-                "budget": dict(self.budget), "defaults": dict(self.defaults),
+                "budget": dict(self.budget), "budget_name": self.budget_name, "defaults": dict(self.defaults),
                 "report_metrics": list(self.report_metrics)}

@@ -1,0 +1,149 @@
+"""Convergence as a budget: the patience rule, which rule stopped a run, the papers' second stage after a warm
+start, and the diagnostics of how much a fused model used BERT."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nmtcore import bleu
+from nmtcore.config import ConfigError, DecodeConfig, TrainConfig
+from nmtcore.diagnostics import measure
+from nmtcore.engine import Callback, build_trainer, run_experiment
+from nmtcore.engine.stopping import StopRule, stopped_by
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.tiny_bert import tiny_bert_dir
+
+
+# ---------------------------------------------------------------------- the rule itself
+def test_the_rule_counts_epochs_without_a_gain_above_the_minimum():
+    bleu_rule = StopRule("valid_bleu", patience=2, min_delta=0.1)
+    assert bleu_rule.improves(30.0, bleu_rule.worst)
+    assert bleu_rule.improves(30.2, 30.0) and not bleu_rule.improves(30.05, 30.0) and not bleu_rule.improves(29.0, 30.0)
+    loss_rule = StopRule("valid_loss", patience=2, min_delta=0.01)
+    assert loss_rule.improves(4.0, 4.02) and not loss_rule.improves(4.0, 4.005) and not loss_rule.improves(4.1, 4.0)
+    assert not bleu_rule.fired(1) and bleu_rule.fired(2)
+    assert not StopRule("valid_bleu", patience=0, min_delta=0.0).fired(100)  # 0 = off
+
+
+def test_stopped_by_names_the_rule():
+    assert stopped_by("early_stopping(patience=3)", rule_on=True) == "patience"
+    assert stopped_by("max_epochs", rule_on=True) == "cap"
+    assert stopped_by("max_updates", rule_on=True) == "cap"
+    assert stopped_by("max_epochs", rule_on=False) == "schedule"
+    assert stopped_by("end_of_schedule", rule_on=True) == "schedule"
+
+
+def test_bad_stopping_settings_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="train.stop_metric"):
+        TrainConfig(stop_metric="bleu")
+    with pytest.raises(ConfigError, match="train.min_delta"):
+        TrainConfig(min_delta=-0.1)
+    with pytest.raises(ConfigError, match="train.min_delta"):
+        TrainConfig(min_delta=math.inf)
+    with pytest.raises(ConfigError, match="valid_bleu needs train.valid_bleu"):
+        TrainConfig(stop_metric="valid_bleu", valid_bleu=False)
+
+
+# ---------------------------------------------------------------------- the rule in the trainer's loop
+def scripted_trainer(tmp_path, bleus, **train):
+    """A real trainer whose epochs cost nothing: training is skipped and validation reads ``bleus``."""
+    cfg = tiny_experiment(tmp_path, **{"train.valid_bleu": True, "train.stop_metric": "valid_bleu",
+                                       "train.max_epochs": len(bleus), **train})
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    values = iter(bleus)
+    trainer.train_epoch = lambda epoch: {"train_loss": 1.0}
+    trainer.validate = lambda: {"valid_loss": 1.0, "valid_bleu": next(values)}
+    return trainer
+
+
+def test_a_plateau_stops_the_run_by_patience(tmp_path):
+    plateau = [10.0, 20.0, 25.0, 25.05, 24.8, 25.09, 30.0, 31.0]  # no gain > 0.1 after epoch 3 for 3 epochs
+    fit = scripted_trainer(tmp_path, plateau, **{"train.patience": 3, "train.min_delta": 0.1}).fit()
+    assert (fit.epochs, fit.stopped_by, fit.converged, fit.best_epoch, fit.best_score) == (6, "patience", True, 3, 25.0)
+
+
+def test_a_run_still_rising_is_stopped_by_its_cap_not_called_converged(tmp_path):
+    rising = [10.0, 12.0, 13.0, 13.5, 14.0, 14.4]
+    fit = scripted_trainer(tmp_path, rising, **{"train.patience": 3, "train.min_delta": 0.1}).fit()
+    assert (fit.epochs, fit.stopped_by, fit.converged, fit.best_epoch) == (6, "cap", False, 6)
+
+
+def test_without_the_rule_a_run_ends_by_its_schedule(tmp_path):
+    fit = scripted_trainer(tmp_path, [10.0, 10.0, 10.0, 10.0]).fit()
+    assert (fit.epochs, fit.stopped_by, fit.converged) == (4, "schedule", False)
+
+
+def test_the_rule_survives_a_resume(tmp_path):
+    """The best score and the epochs without a gain are checkpointed: a resumed run stops where one that was
+    never interrupted stops."""
+    bleus = [10.0, 20.0, 20.05, 19.0, 18.0, 30.0]
+    first = scripted_trainer(tmp_path, bleus[:3], **{"train.patience": 3, "train.min_delta": 0.1})
+    first.train_epoch = lambda epoch: {"train_loss": 1.0}
+    first.fit()  # 3 epochs, one without a gain
+    again = scripted_trainer(tmp_path, bleus[3:], **{"train.patience": 3, "train.min_delta": 0.1,
+                                                      "train.max_epochs": 6})
+    assert again.resume()
+    fit = again.fit()
+    assert (fit.epochs, fit.stopped_by, fit.best_epoch, fit.best_score) == (5, "patience", 2, 20.0)
+
+
+# ---------------------------------------------------------------------- the papers' second stage
+class LearningRates(Callback):
+    def __init__(self):
+        self.lrs, self.start = [], None
+
+    def on_train_start(self, trainer):
+        self.start = (trainer.state.num_updates, len(trainer.optimizer.state))
+
+    def on_log(self, trainer, metrics):
+        self.lrs.append(metrics["lr"])
+
+
+def test_a_warm_started_stage_starts_at_update_zero_with_a_fresh_optimizer_and_its_warm_up(tmp_path):
+    """The baseline's weights, a new optimizer and the schedule restarted: the stage's first updates take the
+    configured warm-up's rates (fairseq's ``--reset-lr-scheduler``), not the baseline's last rate."""
+    base = tiny_experiment(tmp_path / "base", **{"train.max_epochs": 1})
+    run_experiment(base)
+    checkpoint = tmp_path / "base" / "run" / "checkpoints" / "epoch1.pt"
+    lrs = LearningRates()
+    stage = tiny_experiment(tmp_path / "stage", **{
+        "model.name": "bert_fused", "model.bert.name": tiny_bert_dir(), "train.init_from": str(checkpoint),
+        "train.max_epochs": 1, "train.log_interval": 1, "train.lr": 2e-3, "train.warmup_updates": 20,
+        "train.warmup_init_lr": 1e-7})
+    summary = run_experiment(stage, callbacks=[lrs])
+    assert summary.warm_start.fresh > 0 and summary.warm_start.loaded > 0
+    assert lrs.start == (0, 0)  # update counter 0, no optimizer state carried over
+    expected = [1e-7 + n * (2e-3 - 1e-7) / 20 for n in range(5)]
+    assert lrs.lrs[:5] == pytest.approx(expected, rel=1e-9)
+
+
+# ---------------------------------------------------------------------- diagnostics
+def test_bert_fused_branch_diagnostics_equal_switching_each_branch_off_by_hand(tmp_path):
+    """``measure``'s three BLEUs are the greedy validation BLEU with drop-net's inference weights forced by hand
+    (NMT branches: encoder (1, 0), decoder (0, 1); BERT branches the reverse; the mix (½, ½)), and the model's
+    own weights are back to the average afterwards."""
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": tiny_bert_dir(),
+                                       "train.max_epochs": 2, "model.p_net": 1.0})
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    trainer.fit()
+    figures = measure(trainer)
+    model = trainer.model
+    assert model.enc_drop_net.inference_weights == (0.5, 0.5) == model.dec_drop_net.inference_weights
+    split = trainer.data.splits[cfg.data.valid_split]
+    greedy = DecodeConfig(**{**cfg.decode.__dict__, "beam": 1, "nbest": 1})
+    by_hand = {}
+    for name, (enc, dec) in {"mix": ((0.5, 0.5), (0.5, 0.5)), "nmt_only": ((1.0, 0.0), (0.0, 1.0)),
+                             "bert_only": ((0.0, 1.0), (1.0, 0.0))}.items():
+        model.enc_drop_net.weights = lambda w=enc: w
+        model.dec_drop_net.weights = lambda w=dec: w
+        by_hand[f"valid_bleu/{name}"] = bleu.corpus_bleu(trainer.translate(split, greedy), split.raw_tgt).score
+    assert figures == pytest.approx(by_hand, abs=1e-9)
+    assert len(set(by_hand.values())) > 1  # the switches change the translations
+
+
+def test_a_model_without_bert_has_no_diagnostics(tmp_path):
+    trainer = build_trainer(tiny_experiment(tmp_path), device=torch.device("cpu"))
+    assert measure(trainer) == {}
