@@ -207,7 +207,12 @@ Args = Callable[[World, Path], list]
 TRAIN_CASES: list[tuple[str, Args, Callable[[World, Path], list[str]], bool]] = [
     # configuration: caught before the MLflow run starts
     ("config-file-missing", lambda w, t: ["--config", t / "absent.yaml"],
-     lambda w, t: [f"No such file or directory: '{t / 'absent.yaml'}'"], False),
+     lambda w, t: [f"{t / 'absent.yaml'}: no such file"], False),
+    ("config-key-twice", lambda w, t: ["--config", write(t / "twice.yaml", b"train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")],
+     lambda w, t: [f"{t / 'twice.yaml'}: line 3, column 3: key 'lr' given twice"], False),
+    ("config-empty", lambda w, t: ["--config", write(t / "empty.yaml", b"# nothing here\n")],
+     lambda w, t: [f"{t / 'empty.yaml'}: empty (no data/model/train/decode sections)"], False),
+    ("config-a-directory", lambda w, t: ["--config", t], lambda w, t: [f"{t}: is a directory, not a YAML file"], False),
     ("config-not-yaml", lambda w, t: ["--config", write(t / "bad.yaml", b"model:\n  d_model: [64\n")],
      lambda w, t: [f"{t / 'bad.yaml'}: line 3, column 1: not valid YAML"], False),
     ("config-not-a-mapping", lambda w, t: ["--config", write(t / "list.yaml", b"- 1\n- 2\n")],

@@ -143,3 +143,26 @@ def test_switching_family_keeps_set_fields_and_takes_the_new_familys_defaults():
     back = fused.with_overrides({"model.name": "plm_sponsored"})
     # Per key inside the BERT section: the chosen name stays, the unset freeze takes plm's (fine-tuned).
     assert (back.model.bert.name, back.model.dropout, back.model.bert.freeze) == ("minilm", 0.3, False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "line 3, column 3: key 'lr' given twice (the second would silently win)"),
+    ("train:\n  lr: 1.0e-3\ntrain:\n  max_epochs: 2\n", "line 3, column 1: key 'train' given twice"),
+    ("", "empty (no data/model/train/decode sections)"),
+    ("# nothing but a comment\n", "empty (no data/model/train/decode sections)"),
+    ("- train\n- model\n", "top level must be a mapping"),
+])
+def test_a_config_file_that_does_not_say_one_thing_is_refused_in_one_line(tmp_path, text, message):
+    path = tmp_path / "exp.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        ExperimentConfig.from_yaml(path)
+    assert str(e.value) == f"{path}: {message}" or str(e.value).startswith(f"{path}: {message}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_config_path_naming_a_directory_or_nothing_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        ExperimentConfig.from_yaml(tmp_path)
+    with pytest.raises(ConfigError, match="no such file"):
+        ExperimentConfig.from_yaml(tmp_path / "absent.yaml")

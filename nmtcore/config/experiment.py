@@ -13,6 +13,7 @@ import dataclasses
 import os
 import types
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -45,16 +46,28 @@ class ExperimentConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ExperimentConfig":
-        """Build from a YAML file with data/model/train/decode sections; one-line errors naming the file."""
+        """Build from a YAML file with data/model/train/decode sections; one-line errors naming the file.
+
+        Strict, so that a file never trains something other than what it says: a key given twice, an empty or
+        comment-only document (it would train every default), a document that is not a mapping and a
+        directory are each refused."""
+        if Path(path).is_dir():
+            raise ConfigError(f"{path}: is a directory, not a YAML file")
         try:
             with open(path, encoding="utf-8") as f:
-                d = yaml.safe_load(f) or {}
+                d = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader that refuses repeated keys
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not valid UTF-8") from None
         except yaml.YAMLError as e:  # its message spans lines; the position and the problem fit in one
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
-            raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', None) or e})") from None
+            what = e.problem if isinstance(e, _RepeatedKey) else f"not valid YAML ({getattr(e, 'problem', None) or e})"
+            raise ConfigError(f"{path}:{where} {what}") from None
+        if d is None:
+            raise ConfigError(f"{path}: empty (no data/model/train/decode sections); an empty file would train "
+                              "every default, so it is refused")
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         return cls.from_dict(d)
@@ -260,3 +273,21 @@ def _to_plain(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return [_to_plain(x) for x in obj]
     return obj
+
+
+class _RepeatedKey(yaml.constructor.ConstructorError):
+    """A mapping gives one key twice."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (plain PyYAML keeps the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _RepeatedKey(None, None, f"key {key!r} given twice (the second would silently win)",
+                                   key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
