@@ -1,4 +1,5 @@
 import dataclasses
+import math
 
 import pytest
 
@@ -6,6 +7,7 @@ from nmtcore.config import (
     PRESETS,
     ConfigError,
     ExperimentConfig,
+    TrainConfig,
     parse_overrides,
     preset,
 )
@@ -166,3 +168,10 @@ def test_a_config_path_naming_a_directory_or_nothing_is_refused_in_one_line(tmp_
         ExperimentConfig.from_yaml(tmp_path)
     with pytest.raises(ConfigError, match="no such file"):
         ExperimentConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("key", ["lr", "warmup_init_lr", "adam_eps", "weight_decay", "label_smoothing", "clip_norm"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_training_number_is_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=f"train.{key}: must be a finite number"):
+        TrainConfig(**{key: value})

@@ -305,6 +305,10 @@ class TrainConfig:
     init_from: str = ""
 
     def __post_init__(self) -> None:
+        for key in ("lr", "warmup_init_lr", "adam_eps", "weight_decay", "label_smoothing", "clip_norm", "kd_alpha"):
+            value = getattr(self, key)
+            check(isinstance(value, (int, float)) and math.isfinite(value), f"train.{key}",
+                  f"must be a finite number, got {value!r}")
         check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check(self.warmup_updates >= 0, "train.warmup_updates", "must be >= 0")
         check(0 <= self.warmup_init_lr <= self.lr, "train.warmup_init_lr", "must be in [0, train.lr]")
