@@ -246,7 +246,8 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
     p = space.protocol
     if p is None:
         return "none: trials compared with the space's reference"
-    start = (f"warm-started from baseline {made.key} ({'converged' if made.converged else 'STILL IMPROVING'})"
+    start = (f"warm-started from baseline {made.key} (stopped by {made.stopped_by}: "
+             f"{'converged' if made.converged else 'NOT CONVERGED'})"
              if made is not None else "warm-started from the sweep's baseline" if p.warm_start else "from scratch")
     flat = base.flat() if base is not None else {}
     budget = {k: flat.get(k, v) for k, v in space.budget.items()}

@@ -168,8 +168,8 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): the budget stopped it before it converged")
     if parent.tags.get("nmtcore.baseline_converged") == "false":
-        warnings.append("the shared baseline's validation loss was still falling at its last epoch: arms start "
-                        "from a model that had not converged")
+        warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
+                        "start from a model that had not converged")
     converged = parent.tags.get("nmtcore.baseline_converged")
     return SweepReport(sweep=parent.tags.get(SWEEP_TAG, sweep), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
