@@ -455,3 +455,31 @@ def test_registered_models_decode_alike_with_their_memory_shared_by_beams_or_cop
     model.beams_share_memory = False  # this instance only
     copied = beam_search(model, small_batch, c)
     assert_same(shared, copied)
+
+
+@pytest.mark.parametrize("model_name", ["transformer", "bert_fused", "mask_fusion"])
+def test_a_line_longer_than_the_model_positions_is_truncated_with_a_warning_and_the_rest_translated(
+        tmp_path, caplog, model_name):
+    """A source past ``model.max_positions`` (and a decoding budget 1.2 x source + 10 past them) crashed the
+    whole decode; now that line is cut to fit, named in a warning, and every line gets a translation."""
+    import logging
+
+    from nmtcore.decoding.translator import Translator
+    from nmtcore.engine import build_trainer
+    from nmtcore.testing.synthetic import tiny_experiment
+    from nmtcore.testing.tiny_bert import tiny_bert_dir
+
+    bert = {} if model_name == "transformer" else {"model.bert.name": tiny_bert_dir()}
+    cfg = tiny_experiment(tmp_path, **{"model.name": model_name, "model.max_positions": 24, **bert})
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    words = trainer.data.splits["valid"].raw_src[0].split()
+    lines = [" ".join(words[:3]), " ".join((words * 20)[:60]), " ".join(words[:4])]
+    translator = Translator(trainer.model, trainer.data.vocab, cfg, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="nmtcore.decoding"):
+        hyps = translator.translate(lines)
+    assert len(hyps) == 3
+    warned = [r.getMessage() for r in caplog.records if "positions hold" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("input line 2: ") and "the model's 24 positions" in warned[0]
+    src_mask = torch.zeros(1, 60, dtype=torch.bool)  # a 60-token source: budget 1.2 x 60 + 10, capped at 24 - 1
+    assert max_lengths(src_mask, DecodeConfig(max_len_a=1.2, max_len_b=10), 24) == [23]
+    assert max_lengths(src_mask, DecodeConfig(max_len_a=1.2, max_len_b=10)) == [82]

@@ -68,14 +68,16 @@ DecodeFn = Callable[[NMTModel, "Batch", DecodeConfig], "list[list[Hypothesis]]"]
 
 
 # ---------------------------------------------------------------------- shared helpers
-def max_lengths(src_mask: Tensor, cfg: DecodeConfig) -> list[int]:
+def max_lengths(src_mask: Tensor, cfg: DecodeConfig, max_positions: int | None = None) -> list[int]:
     """Per-sentence maximum number of target tokens before the forced EOS.
 
     ``int(max_len_a * src_len + max_len_b)`` with ``src_len`` the non-pad source tokens (final eos
-    included), computed in Python floats exactly as fairseq does.
+    included), computed in Python floats exactly as fairseq does; never more than the decoder can position
+    (``max_positions - 1``: BOS takes position 0), as fairseq caps it at the model's maximum positions.
     """
     src_len = (~src_mask).sum(dim=1).tolist()  # (B,)
-    return [int(cfg.max_len_a * n + cfg.max_len_b) for n in src_len]
+    lengths = [int(cfg.max_len_a * n + cfg.max_len_b) for n in src_len]
+    return [min(n, max_positions - 1) for n in lengths] if max_positions else lengths
 
 
 @contextlib.contextmanager
@@ -190,7 +192,7 @@ def beam_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[list
         enc_out = model.encode(batch)
         state = model.init_state(enc_out).reordered_each_step()
 
-        sent_max_len_list = max_lengths(batch.src_mask, cfg)
+        sent_max_len_list = max_lengths(batch.src_mask, cfg, model.max_positions)
         active: list[int] = list(range(bsz))  # original index of each active sentence
         sent_max_len = torch.tensor(sent_max_len_list, device=device)  # (n,)
         min_max_len = min(sent_max_len_list)  # before this step no row is forced
@@ -325,7 +327,7 @@ def greedy_search(model: NMTModel, batch: "Batch", cfg: DecodeConfig) -> list[li
         enc_out = model.encode(batch)
         state = model.init_state(enc_out)
 
-        max_len_list = max_lengths(batch.src_mask, cfg)
+        max_len_list = max_lengths(batch.src_mask, cfg, model.max_positions)
         active: list[int] = list(range(bsz))  # original index of each active row
         row_max_len = torch.tensor(max_len_list, device=device)  # (R,)
         min_max_len = min(max_len_list)

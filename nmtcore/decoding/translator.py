@@ -3,9 +3,12 @@ trained checkpoint (``nmtcore translate``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from nmtcore.allocator import tune_allocator
@@ -17,14 +20,39 @@ from nmtcore.decoding import beam_search
 from nmtcore.devices import default_device
 from nmtcore.models import NMTModel, build_model
 
+log = logging.getLogger("nmtcore.decoding")
+
 
 def translate_split(model: NMTModel, split: EncodedSplit, vocab: Any, dcfg: DecodeConfig,
                     device: torch.device) -> list[str]:
-    """Beam (or greedy, beam 1) decode every sentence of ``split``; detokenized, in corpus order."""
+    """Beam (or greedy, beam 1) decode every sentence of ``split``; detokenized, in corpus order. A source
+    longer than the model can position is truncated to fit, with a warning naming its line; every other
+    line is translated as it is."""
     model.eval()
+    split = fit_to_positions(split, model.max_positions)
     batches = (b.to(device) for b in inference_batches(split, vocab, dcfg.sentences_per_batch(device)))
     results = beam_search.translate(model, batches, dcfg)
     return [vocab.decode(results[i][0].tokens) for i in range(len(split.src))]
+
+
+def fit_to_positions(split: EncodedSplit, max_positions: int | None) -> EncodedSplit:
+    """``split`` with every source longer than ``max_positions`` (its EOS included) cut to fit, each named in a
+    warning (line numbers from 1, in ``split``'s order); ``split`` itself when all fit."""
+    if not max_positions:
+        return split
+    long = np.flatnonzero(split.src_lens + 1 > max_positions)  # (K,)
+    if not len(long):
+        return split
+    src = list(split.src)
+    align = list(split.bert.align) if split.bert is not None else None
+    for i in long:
+        log.warning("%s line %d: %d subwords, more than the model's %d positions hold: translated from its first %d",
+                    split.name, i + 1, len(src[i]), max_positions, max_positions - 1)
+        src[i] = src[i][: max_positions - 1]
+        if align is not None:  # the kept tokens' WordPiece spans, then EOS's (empty) one
+            align[i] = np.concatenate([align[i][: max_positions - 1], align[i][-1:]])
+    bert = dataclasses.replace(split.bert, align=align) if split.bert is not None else None
+    return dataclasses.replace(split, src=src, bert=bert)
 
 
 class Translator:

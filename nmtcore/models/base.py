@@ -77,6 +77,9 @@ class NMTModel(nn.Module):
     # in ``decode_step`` only through attention over cached static keys/values (every registered model); a model
     # that combines it row by row with the decoder's states sets False and gets ``enc_out`` expanded to its rows.
     beams_share_memory: ClassVar[bool] = True
+    # The longest sequence the model can position (source tokens with EOS; BOS and the target tokens), from
+    # ``model.max_positions``; decoding truncates a longer source and caps the target there. None = no limit.
+    max_positions: int | None = None
 
     # ------------------------------------------------------------------ required
     def encode(self, batch: "Batch") -> EncoderOut:  # pragma: no cover - interface

@@ -381,6 +381,7 @@ class PlmSponsored(NMTModel):
         self.tgt_proj = nn.Linear(h_tgt, d) if h_tgt != d else nn.Identity()
         # Coordinator.
         self.positions = SinusoidalPositions(cfg.max_positions, d)
+        self.max_positions = cfg.max_positions
         self.coordinator = nn.ModuleList(CoordinatorLayer(cfg) for _ in range(cfg.decoder_layers))
         if cfg.share_embeddings:
             self.out_proj = nn.Linear(d, h_tgt, bias=False) if h_tgt != d else nn.Identity()

@@ -49,6 +49,7 @@ class Transformer(NMTModel):
             nn.init.normal_(emb.weight, mean=0.0, std=d**-0.5)
             nn.init.zeros_(emb.weight[pad_id])
         self.positions = SinusoidalPositions(cfg.max_positions, d)
+        self.max_positions = cfg.max_positions
         layer_args = (d, cfg.heads, cfg.ffn_dim, cfg.dropout, cfg.attention_dropout,
                       cfg.activation_dropout, cfg.activation, cfg.pre_norm)
         self.encoder_layers = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers))
