@@ -102,7 +102,9 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
         # no corpus read); anything made here for a smoke test needs only a few steps.
         study = tiny_experiment(tmp, **{"train.max_epochs": 2, "train.valid_bleu": True, "train.num_threads": 1,
                                         "model.bert.pretrain_corpus": "multi30k:en",
-                                        "model.bert.pretrain_steps": 100, **space.defaults})
+                                        "model.bert.pretrain_steps": 100,
+                                        # the study's data settings name real splits; the smoke test has its own
+                                        **{k: v for k, v in space.defaults.items() if not k.startswith("data.")}})
         budget, baseline_budget = {}, {}
         smoke = {"storage": str(tmp / "ray_results"), "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
                  "baseline_store": str(tmp / "baselines")}

@@ -42,6 +42,8 @@ def figures(report: SweepReport, out: Path) -> list[Path]:
 
 def _valid_curves(report: SweepReport, path: Path, plt: Any) -> Path:
     """Validation BLEU and loss against the epoch, one colour per arm (the control black), one line per seed."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     arms = [g for g in report.groups if g.curves]
@@ -57,6 +59,8 @@ def _valid_curves(report: SweepReport, path: Path, plt: Any) -> Path:
         ax.set_xlabel("epoch of the run")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{report.sweep}: validation curves, every run")
     fig.tight_layout()
