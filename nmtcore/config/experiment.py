@@ -13,8 +13,8 @@ import dataclasses
 import os
 import types
 import typing
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import yaml

@@ -397,7 +397,8 @@ class Trainer:
                                 best_valid_loss=ts["best_valid_loss"], best_epoch=ts["best_epoch"],
                                 bad_epochs=ts["bad_epochs"], history=list(ts["history"]),
                                 # a checkpoint from before the stopping rule ranked epochs by validation loss
-                                best_score=ts.get("best_score", ts["best_valid_loss"]))
+                                best_score=ts.get("best_score", ts["best_valid_loss"]
+                                                  if self.stop_rule.metric == "valid_loss" else math.nan))
         torch.set_rng_state(ckpt["rng"]["torch"])
 
     # ------------------------------------------------------------------ the loop

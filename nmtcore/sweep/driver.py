@@ -257,12 +257,13 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
              + (text or "the base experiment's"))
     if changed:
         stage += f" (the study's {', '.join(f'{k}={space.budget[k]}' for k in sorted(changed))} overridden)"
-    patience = flat.get("train.patience", budget.get("train.patience"))
-    if patience:
-        stage += (f"; to convergence: stopped after {patience} epochs without a gain of more than "
-                  f"{flat.get('train.min_delta', budget.get('train.min_delta', 0))} in "
-                  f"{flat.get('train.stop_metric', budget.get('train.stop_metric', 'valid_loss'))}, "
-                  f"capped at {flat.get('train.max_epochs', budget.get('train.max_epochs'))} epochs")
+    def setting(key: str, default: Any = None) -> Any:  # what the arms ran, else what the study's budget says
+        return flat.get(key, budget.get(key, default))
+
+    if setting("train.patience"):
+        stage += (f"; to convergence: stopped after {setting('train.patience')} epochs without a gain of more than "
+                  f"{setting('train.min_delta', 0)} in {setting('train.stop_metric', 'valid_loss')}, "
+                  f"capped at {setting('train.max_epochs')} epochs")
     elif "train.max_epochs" in budget:
         stage += " (a fixed number of epochs, not to convergence)"
     if p.warm_start and base is not None:

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
-                "still_improving": g.still_improving, "stopped_by": _counts(g.stopped_by),
+                "still_improving": g.still_improving, "stopped_by": dict(Counter(g.stopped_by)),
                 "converged": bool(g.stopped_by) and all(rule == PATIENCE for rule in g.stopped_by),
                 "diagnostics": {name: mean(values) for name, values in sorted(g.diagnostics.items())},
                 "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
@@ -193,13 +194,6 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings}
-
-
-def _counts(rules: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for rule in rules:
-        out[rule] = out.get(rule, 0) + 1
-    return out
 
 
 def _sd(xs: list[float]) -> float | None:
