@@ -317,3 +317,27 @@ def test_the_report_says_how_each_arm_used_bert_and_draws_every_runs_validation_
     curves = tmp_path / "out" / "valid_curves.png"
     assert curves in files and curves.stat().st_size > 5000
     assert [len(c["valid_bleu"]) for _, c in rep.groups[0].curves] == [3]
+
+
+def test_an_estimate_logged_before_training_stands_beside_what_each_arm_took(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'est.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="est", tags={
+        lifecycle.SWEEP_TAG: "est", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    parent.log_dict({"machine": "2 cores", "seconds": 900.0, "runs": [
+        {"config_key": "control", "seconds": 150.0}, {"config_key": "bert_fused", "seconds": 240.0},
+        {"config_key": "bert_fused", "seconds": 300.0}],  # two seeds of one arm: their mean
+        "phases": [{"name": "baseline", "seconds": 360.0, "detail": ""}, {"name": "trials", "seconds": 540.0,
+                                                                          "detail": ""}]}, "estimate.json")
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True)
+    add_trial(parent, tmp_path, 1, 1, "bert_fused", 0.5, {"arm": "bert_fused"})
+    parent.end()
+    rep = results.build_report("est", uri, n_bootstrap=0)
+    rows = {r["arm"]: r for r in report.table_rows(rep)}
+    assert rows["control"]["estimated (min)"] == "2.5" and rows["bert_fused"]["estimated (min)"] == "4.5"
+    assert rows["control"]["wall (min)"] == "2.0"
+    md = report.render_markdown(rep)
+    assert "Cost estimated before training (2 cores): baseline 6.0 min; trials 9.0 min" in md
+
+    without = stage_sweep(tmp_path, "plain", "patience")  # a sweep that logged no estimate: no column
+    assert "estimated (min)" not in report.table_rows(results.build_report("plain", without, n_bootstrap=0))[0]

@@ -5,6 +5,8 @@ completes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import pytest
@@ -157,13 +159,20 @@ def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
 # ------------------------------------------------------------------------------- sweeps on Ray
 def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, store, tmp_path, capsys):
     space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64, 48))})
-    result = driver.run_sweep(space, tiny_base(tmp_path), tiny_settings(tmp_path, "smoke", store), log_to_driver=False)
+    settings = dataclasses.replace(tiny_settings(tmp_path, "smoke", store), estimate=True)
+    result = driver.run_sweep(space, tiny_base(tmp_path), settings, log_to_driver=False)
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"] * 3
     # Under FIFO the third trial ran in the Tune actor (process) of one of the first two, not a new one.
     pids = {t.overrides["model.d_model"]: t.metrics["pid"] for t in result.trials}
     assert pids[32] != pids[64] and pids[48] in (pids[32], pids[64]), pids
     # The console followed each trial, every line stamped: started, each epoch with its bar, finished.
-    console = [line for line in capsys.readouterr().out.splitlines() if " trial " in line]
+    out = capsys.readouterr().out.splitlines()
+    console = [line for line in out if " trial " in line]
+    # Before the trials, what they would cost here: 3 trials on the 2 CPUs, 2 at once.
+    est = out.index(next(line for line in out if line.startswith("estimated cost on this machine")))
+    phases = {line.split(":")[0].strip(): line for line in out[est + 1:est + 4]}
+    assert list(phases) == ["shared work", "trials", "total"], out[est:est + 5]  # no protocol: no baseline
+    assert "3 trials, 2 at once (2 waves)" in phases["trials"] and "done in" in phases["shared work"]
     for arm in ("d_model=32", "d_model=64"):
         mine = [line for line in console if arm in line]
         assert [w for w in ("started", "epoch 1/2", "epoch 2/2", "finished in") if any(w in x for x in mine)] == \
@@ -199,7 +208,8 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
     assert b.start_time < a.end_time
     # The report is in MLflow and on disk.
     arts = tracking.list_artifacts(parents[0].run_id, store)
-    assert {"report/table.md", "report/bleu_vs_cost.png"} <= set(arts)
+    assert {"report/table.md", "report/bleu_vs_cost.png", "estimate.json"} <= set(arts)
+    assert "estimated (min)" in (tmp_path / "report" / "table.md").read_text()
     assert (tmp_path / "report" / "table.md").read_text().count("| 32 |") == 1
     # Same name again without --resume: refused, nothing started.
     with pytest.raises(sweep_settings.SweepError, match="already exists.*--resume"):

@@ -221,12 +221,16 @@ class BertLayer(nn.Module):
         words = [nmt_word_index(s, word_start) for s in split.src]
         return self.encoder.encode(split.raw_src, words, contexts)
 
-    def attach_features(self, cache: "FeatureCache", split_name: str, inputs: BertInputs) -> None:
-        """Load (or compute once) the cached features of ``inputs`` and attach them to it."""
+    def features_key(self, inputs: BertInputs) -> FeatureKey:
+        """The cache key of ``inputs``' features under this BERT's current weights."""
         if self._features_key is None or self._weights_changed:
             self._features_key, self._weights_changed = self.fingerprint(), False
-        key = FeatureKey(bert=self._features_key, inputs=inputs_checksum(inputs), layers=self.layers,
-                         max_length=self.max_length)
+        return FeatureKey(bert=self._features_key, inputs=inputs_checksum(inputs), layers=self.layers,
+                          max_length=self.max_length)
+
+    def attach_features(self, cache: "FeatureCache", split_name: str, inputs: BertInputs) -> None:
+        """Load (or compute once) the cached features of ``inputs`` and attach them to it."""
+        key = self.features_key(inputs)
         inputs.features = cache.get_or_build(key, inputs, self._compute_features,
                                              describe={"bert": str(self.resolved.spec), "path": str(self.resolved.path),
                                                        "split": split_name})

@@ -1,6 +1,6 @@
 """The command line every sweep entry point shares (``sweeps/<study>.py`` only names its study).
 
-    python sweeps/<study>.py [--variant V] [--budget B] [--smoke-test] [--resume] [--address HOST:PORT]
+    python sweeps/<study>.py [--variant V] [--budget B] [--dry-run] [--smoke-test] [--resume] [--address HOST:PORT]
                              [--tracking-uri URI] [--data-dir DIR] [--seeds N] [--max-concurrent N] ...
 
 Default: a local Ray cluster (dashboard on 127.0.0.1), a local sqlite MLflow store, Ray results under
@@ -49,6 +49,9 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
     p.add_argument("--arms-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of the arms and the control only (e.g. train.max_epochs=1: a shorter second "
                         "stage), not of the shared baseline they warm-start from")
+    p.add_argument("--dry-run", action="store_true",
+                   help="train nothing: measure this machine's speed on every distinct trial model and the baseline "
+                        "(a few updates each) and print what each phase of the sweep would cost")
     p.add_argument("-v", "--verbose", action="store_true")
     hints = typing.get_type_hints(SweepSettings)
     for f in dataclasses.fields(SweepSettings):
@@ -141,7 +144,14 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     values["storage"] = args.storage or smoke.get("storage") or default_storage()
     values["tracking_uri"] = args.tracking_uri or smoke.get("tracking_uri")
     values["baseline_store"] = args.baseline_store or smoke.get("baseline_store")
+    if values.get("estimate") is None:  # real runs say what they will cost; smoke tests and resumed sweeps don't
+        values["estimate"] = not (args.smoke_test or args.resume)
     settings = SweepSettings(**values)
+    if args.dry_run:
+        from nmtcore.sweep.cost import dry_run
+
+        print("\n".join(dry_run(space, base, settings, baseline=baseline).lines()))
+        return 0
     t0 = time.perf_counter()
     result = run_sweep(space, base, settings, baseline=baseline)
     print(f"\nsweep {result.name} {'INTERRUPTED' if result.interrupted else 'finished'} in "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
-from nmtcore.sweep import pre_sweep, ray_backend
+from nmtcore.sweep import cost, pre_sweep, ray_backend
 from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
 from nmtcore.sweep.dashboard import dashboard_access
 from nmtcore.sweep.lifecycle import (
@@ -140,6 +140,14 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints = prepare_shared(base, space)
         trial_bytes = trial_memory_bytes(space, base, footprints)
+        estimated = None
+        if settings.estimate and state is None:
+            try:  # what the rest will cost: a few probe updates of every distinct model, here
+                estimated = cost.dry_run(space, base, settings, baseline=baseline, progress=lambda line: None,
+                                         shared_s=time.perf_counter() - t0)
+                print("\n".join(estimated.lines()), flush=True)
+            except Exception as e:  # noqa: BLE001 - an estimate is advice; the sweep itself is not at stake
+                logging.getLogger("nmtcore.sweep").warning("no cost estimate: %s: %s", type(e).__name__, e)
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
@@ -168,6 +176,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             parent.log_params({f"sweep.{k}": v for k, v in asdict(settings).items()
                                if k not in ("resume", "verbose") and v is not None})
             parent.log_dict(space.describe(), "search_space.json")
+            if estimated is not None:
+                parent.log_dict(estimated.to_dict(), "estimate.json")
             if not is_uri(settings.storage):
                 Path(exp_dir).mkdir(parents=True, exist_ok=True)
                 state_path.write_text(json.dumps({"space": space.name, "model": model, "parent_run_id": parent.run_id,

@@ -66,6 +66,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
+                "estimated_min": None if report.estimated_s(g) is None else report.estimated_s(g) / 60,
                 "still_improving": g.still_improving, "stopped_by": dict(Counter(g.stopped_by)),
                 "converged": bool(g.stopped_by) and all(rule == PATIENCE for rule in g.stopped_by),
                 "diagnostics": {name: mean(values) for name, values in sorted(g.diagnostics.items())},
@@ -97,6 +98,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "epochs": _f(row["epochs"], 1),
             **({"phases (first epoch); stop": row["phases"]} if any(g.phases for g in report.groups) else {}),
             "updates": _f(row["updates"], 0), "wall (min)": _f(row["wall_min"], 1),
+            **({"estimated (min)": _f(row["estimated_min"], 1)} if report.estimate else {}),
             "stopped by": ", ".join(rule if n == 1 and len(row["stopped_by"]) == 1 else f"{rule} {n}"
                                     for rule, n in row["stopped_by"].items()),
             "converged": "" if not row["stopped_by"] else "yes" if row["converged"] else "no",
@@ -117,6 +119,11 @@ def render_markdown(report: SweepReport) -> str:
             "mean ± sd over seeds. ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds "
             "pooled) against the reference; p (seeds): paired t-test across seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
+    if report.estimate:
+        est = report.estimate
+        phases = "; ".join(f"{p['name']} {p['seconds'] / 60:.1f} min" for p in est.get("phases", []))
+        head += [f"Cost estimated before training ({est.get('machine', '?')}): {phases}; the `estimated (min)` "
+                 "column is each arm's estimate beside its `wall (min)`.", ""]
     verdict = report.not_an_answer()
     if verdict:
         head = [f"**{verdict}**", ""] + head

@@ -5,6 +5,7 @@ it (Δ, 95% interval and p from a paired bootstrap over the pooled seeds; a pair
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -103,6 +104,12 @@ class SweepReport:
     reference: Group | None
     warnings: list[str]
     baseline_converged: bool | None = None  # a warm-started study's shared baseline; None without one
+    estimate: dict[str, Any] | None = None  # what the sweep estimated before training (``estimate.json``)
+
+    def estimated_s(self, group: "Group") -> float | None:
+        """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
+        runs = [r["seconds"] for r in (self.estimate or {}).get("runs", []) if r["config_key"] == group.config_key]
+        return sum(runs) / len(runs) if runs else None
 
     def unconverged_runs(self) -> dict[str, int]:
         """The completed runs (arms and control) that no patience rule stopped, counted by what stopped them."""
@@ -171,11 +178,14 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
     converged = parent.tags.get("nmtcore.baseline_converged")
+    estimate = None
+    with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
+        estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
     return SweepReport(sweep=parent.tags.get(SWEEP_TAG, sweep), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, protocol=parent.tags.get("nmtcore.protocol", ""), groups=groups,
                        reference=reference, warnings=warnings,
-                       baseline_converged=None if converged is None else converged == "true")
+                       baseline_converged=None if converged is None else converged == "true", estimate=estimate)
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:

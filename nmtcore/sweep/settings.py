@@ -60,6 +60,8 @@ class SweepSettings:
         address: an existing Ray cluster to join (``ray://`` or ``host:port``); ``None`` = start a
             local one (or use the one this process already started).
         resume: continue the sweep ``<storage>/<name>`` instead of starting one.
+        estimate: print (and log to the parent run as ``estimate.json``) what the baseline and the trials will
+            cost here once the shared work is done (:mod:`nmtcore.sweep.cost`); ``None`` counts as no.
         dashboard: start the Ray dashboard (local clusters only), on ``dashboard_host``.
         num_cpus: logical CPUs of a local cluster; ``None`` = all cores.
         allocator: the C allocator of the trials' training processes and of the shared baseline's
@@ -99,6 +101,9 @@ class SweepSettings:
     worker_start_timeout_s: float = 120.0
     address: str | None = option(None, "join this Ray cluster (host:port) instead of starting a local one")
     resume: bool = option(False, "continue the interrupted sweep of the same --name")
+    estimate: bool | None = option(None, "before the baseline and the trials, measure this machine's speed on every "
+                                         "distinct trial model (a few updates each) and print what they will cost "
+                                         "(default: real runs yes, smoke tests and resumed sweeps no)")
     dashboard: bool = option(True, "start the Ray dashboard (local clusters)")
     dashboard_host: str = "127.0.0.1"
     num_cpus: int | None = option(None, "logical CPUs of the local Ray cluster (default: all cores)")

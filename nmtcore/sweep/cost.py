@@ -1,0 +1,394 @@
+"""What a sweep will cost on this machine, said before it starts (``--dry-run``).
+
+The estimate multiplies measured speeds by counted work:
+
+- **speeds**, measured here and now by a probe (:func:`probe`): a few training updates of every distinct trial
+  model (and of the baseline) on real batches, at the threads a trial gets; a greedy decode of validation
+  sentences (every epoch's validation BLEU); the frozen BERT's feature extraction (sentences per second);
+- **work**, counted from the plan: target tokens per epoch, validation and test sentences, the sentences whose
+  BERT features are not cached yet, the epochs each run trains.
+
+Epochs: a fixed budget trains its epochs. A budget that trains to convergence (``train.patience``) stops
+somewhere between ``patience + 1`` epochs and its cap, so the estimate takes the median number of epochs of the
+converged runs of the same kind already in this MLflow store (same model, role, stopping rule and cap) and
+says how many it found; with none it takes the cap and says that it is an upper bound.
+
+Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
+them; the trials' phase is that schedule's makespan. Speeds are measured with nothing else running: trials
+that share a machine's memory bandwidth run somewhat slower, which the estimate does not model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from nmtcore.config import DecodeConfig, ExperimentConfig
+from nmtcore.data import PreparedData
+
+PROBE_WARMUP = 1  # updates not timed (first-call allocations)
+PROBE_STEPS = 3  # updates timed
+PROBE_DECODE = 48  # validation sentences decoded greedily
+PROBE_OTHER_SENTENCES = 48  # every split but train is cut to this for the probe's BERT features
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What one model does per second on this machine at ``threads`` threads."""
+
+    train_tokens_per_s: float  # target tokens (with EOS) through forward, backward and the optimizer step
+    decode_sentences_per_s: float  # greedy decoding, as every epoch's validation BLEU
+    bert_sentences_per_s: float | None  # frozen BERT features computed (None: the model reads no BERT features)
+    threads: int
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """One training run (a trial or the baseline): how many epochs, and what one epoch and the end cost."""
+
+    label: str
+    epochs: float
+    epoch_s: float  # one epoch's training plus its validation
+    end_s: float  # decoding the test splits
+    epochs_from: str  # "the budget" / "the cap (an upper bound: ...)" / "the median of N converged runs ..."
+
+    @property
+    def seconds(self) -> float:
+        return self.epochs * self.epoch_s + self.end_s
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every phase of a sweep, in the order they run."""
+
+    phases: tuple[Phase, ...]
+    machine: str
+    runs: tuple[tuple[str, float], ...] = ()  # (the trial's config key, its estimated seconds), in grid order
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine, "seconds": self.seconds,
+                "phases": [dataclasses.asdict(p) for p in self.phases],
+                "runs": [{"config_key": k, "seconds": v} for k, v in self.runs]}
+
+    def lines(self) -> list[str]:
+        out = [f"estimated cost on this machine ({self.machine}):"]
+        out += [f"  {p.name + ':':<14} {duration(p.seconds):>9}  {p.detail}" for p in self.phases]
+        out.append(f"  {'total:':<14} {duration(self.seconds):>9}")
+        return out
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``12.5 min``, ``3.2 h``."""
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+def epoch_tokens(data: PreparedData) -> int:
+    """Target tokens one epoch trains on: every training target with its EOS (what a batch's
+    ``n_tgt_tokens`` counts)."""
+    return int((data.train.tgt_lens + 1).sum())
+
+
+def run_cost(label: str, epochs: float, epochs_from: str, speed: Speed, tokens: int, valid_sentences: int,
+             test_sentences: int, valid_bleu: bool = True) -> RunCost:
+    """A run's cost at ``speed``: per epoch ``tokens`` trained and (with validation BLEU) ``valid_sentences``
+    decoded; at the end ``test_sentences`` decoded. (The teacher-forced validation loss is a few percent of an
+    epoch and is not counted.)"""
+    epoch_s = tokens / speed.train_tokens_per_s + (valid_sentences / speed.decode_sentences_per_s
+                                                   if valid_bleu else 0.0)
+    return RunCost(label, epochs, epoch_s, test_sentences / speed.decode_sentences_per_s, epochs_from)
+
+
+def makespan(durations: Sequence[float], slots: int) -> tuple[float, int]:
+    """When the last of ``durations`` ends if they start in order, each as soon as one of ``slots`` is free, and
+    how many waves that is (``ceil(n / slots)``)."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    free = [0.0] * min(slots, max(len(durations), 1))
+    end = 0.0
+    for d in durations:
+        start = heapq.heappop(free)
+        end = max(end, start + d)
+        heapq.heappush(free, start + d)
+    return end, math.ceil(len(durations) / slots) if durations else 0
+
+
+def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, baseline_done: bool,
+             trials: Sequence[RunCost], slots: int, machine: str, baseline_epochs_done: int = 0,
+             keys: Sequence[str] = ()) -> Estimate:
+    """The phases: the shared work (``(what, seconds)`` each, run one after another), the baseline (reused
+    when ``baseline_done``; ``baseline_epochs_done`` of a started one are not trained again), the trials in
+    waves on ``slots``."""
+    phases = [Phase("shared work", sum(s for _, s in shared),
+                    "; ".join(f"{what} {duration(s)}" for what, s in shared) or "all cached")]
+    if baseline is not None:
+        if baseline_done:
+            phases.append(Phase("baseline", 0.0, "in the store: reused"))
+        else:
+            left = max(baseline.epochs - baseline_epochs_done, 0)
+            done = f", {baseline_epochs_done} already trained" if baseline_epochs_done else ""
+            phases.append(Phase("baseline", left * baseline.epoch_s + baseline.end_s,
+                                f"{left:g} epochs x {duration(baseline.epoch_s)}{done} (epochs: {baseline.epochs_from})"))
+    total, waves = makespan([t.seconds for t in trials], slots)
+    kinds: dict[tuple[float, str], int] = {}
+    for t in trials:
+        kinds[(t.epochs, t.epochs_from)] = kinds.get((t.epochs, t.epochs_from), 0) + 1
+    epochs = "; ".join(f"{n} trial{'s' * (n > 1)} x {e:g} epochs ({why})" for (e, why), n in kinds.items())
+    per = [t.epoch_s for t in trials]
+    phases.append(Phase("trials", total, f"{len(trials)} trials, {slots} at once ({waves} waves); an epoch "
+                                         f"{duration(min(per, default=0))}-{duration(max(per, default=0))}; {epochs}"))
+    return Estimate(tuple(phases), machine, tuple(zip(keys, (t.seconds for t in trials))))
+
+
+# ---------------------------------------------------------------------------------------------- epochs
+def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) -> tuple[float, str]:
+    """How many epochs a run of ``cfg`` (role ``baseline`` or ``trial``) trains, and where the figure comes from:
+    the budget's fixed epochs; for a budget that trains to convergence, the median over the converged runs of
+    the same model, role, data, stopping rule and cap in the store at ``tracking_uri``, else the cap."""
+    t = cfg.train
+    if not t.patience:
+        return float(t.max_epochs), "the budget's fixed epochs"
+    epochs = [r for r in converged_epochs(cfg, role, tracking_uri)]
+    if epochs:
+        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {role} run"
+                                                  f"{'s' * (len(epochs) > 1)} of this kind in the store")
+    return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
+
+
+def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) -> list[int]:
+    """Epochs of the finished runs in the store that the patience rule stopped and that trained as ``cfg`` would
+    (same model, role, train/valid splits, stopping rule and epoch cap)."""
+    from nmtcore import tracking
+    from nmtcore.sweep.lifecycle import ROLE_TAG
+    from nmtcore.tracking.callback import STOPPED_BY_TAG
+
+    flat = cfg.flat()
+    same = ("model.name", "data.train_split", "data.valid_split", "train.stop_metric", "train.patience",
+            "train.min_delta", "train.max_epochs")
+    query = " and ".join([f"tags.`{ROLE_TAG}` = '{role}'", f"tags.`{STOPPED_BY_TAG}` = 'patience'",
+                          "attributes.status = 'FINISHED'"])
+    try:
+        runs = tracking.search_runs(query, tracking_uri)
+    except tracking.TrackingError:
+        return []
+    return [int(r.metrics["epoch"]) for r in runs
+            if "epoch" in r.metrics and all(r.params.get(k) == str(flat[k]) for k in same)]
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def probe_data(data: PreparedData, cfg: ExperimentConfig, cache_dir: Path) -> PreparedData:
+    """A small copy of ``data`` for a probe: enough training pairs for the probe's updates, a few sentences of
+    every other split, and its own feature cache under ``cache_dir`` (the real cache is left alone)."""
+    mean = max(float(data.train.tgt_lens.mean()) + 1, 1.0)
+    need = math.ceil((PROBE_WARMUP + PROBE_STEPS + 1) * cfg.data.max_tokens * cfg.train.update_freq / mean * 1.5)
+    splits = {name: split.select(range(min(len(split), need if name == cfg.data.train_split
+                                           else PROBE_OTHER_SENTENCES)))
+              for name, split in data.splits.items()}
+    return dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, cache_dir=str(cache_dir)), splits=splits)
+
+
+def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
+    """Measure ``cfg``'s speeds here (:class:`Speed`): its trainer built on a small copy of ``data``
+    (:func:`probe_data`; a frozen BERT computes that copy's features, timed), ``PROBE_STEPS`` updates timed after
+    ``PROBE_WARMUP``, then ``PROBE_DECODE`` validation sentences decoded greedily. ``cfg``'s BERT must exist
+    (:func:`nmtcore.bert.ensure_bert`). Restores torch's thread count."""
+    from nmtcore.bert.layer import bert_layers
+    from nmtcore.engine import build_trainer
+
+    before = torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory(prefix="nmtcore-probe-") as tmp:
+            small = probe_data(data, cfg, Path(tmp))
+            pc = cfg.with_overrides({"train.num_threads": threads, "output_dir": tmp, "train.save_dir": "",
+                                     "train.init_from": "", "train.max_updates": 0})
+            t0 = time.perf_counter()
+            trainer = build_trainer(pc, small)
+            build_s = time.perf_counter() - t0
+            layers = bert_layers(trainer.model)
+            reads_features = bool(layers) and layers[0].cache_wanted
+            bert_rate = sum(len(s) for s in small.splits.values()) / build_s if reads_features else None
+            batches: list[Any] = []
+            for epoch in range(1, 100):
+                batches += list(trainer.train_batches(epoch=epoch))
+                if len(batches) >= PROBE_WARMUP + PROBE_STEPS:
+                    break
+            step = max(1, pc.train.update_freq)
+            groups = [batches[i:i + step] for i in range(0, len(batches), step)][:PROBE_WARMUP + PROBE_STEPS]
+            for g in groups[:PROBE_WARMUP]:
+                trainer.train_step(g)
+            tokens, t0 = 0, time.perf_counter()
+            for g in groups[PROBE_WARMUP:]:
+                trainer.train_step(g)
+                tokens += sum(b.n_tgt_tokens for b in g)
+            train_s = time.perf_counter() - t0
+            valid = small.splits[pc.data.valid_split]
+            greedy = DecodeConfig(**{**pc.decode.__dict__, "beam": 1, "nbest": 1})
+            t0 = time.perf_counter()
+            n = len(trainer.translate(valid.select(range(min(len(valid), PROBE_DECODE))), greedy))
+            decode_s = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    return Speed(tokens / train_s, n / decode_s, bert_rate, threads)
+
+
+def machine_line() -> str:
+    """The machine in a few words: cores and whether bf16 kernels exist (the precision that trains)."""
+    import os
+
+    from nmtcore.devices import cpu_supports_bf16
+
+    return f"{os.cpu_count()} cores, {'AVX512-BF16' if cpu_supports_bf16() else 'no bf16 kernels (fp32)'}"
+
+
+def distinct(configs: Iterable[tuple[str, ExperimentConfig]]) -> dict[str, tuple[str, ExperimentConfig]]:
+    """One config per distinct trained shape (model, sizes, BERT): the probe runs once per shape; knobs such as
+    p_net or a seed change no speed."""
+    shapes: dict[str, tuple[str, ExperimentConfig]] = {}
+    for label, cfg in configs:
+        shapes.setdefault(shape_key(cfg), (label, cfg))
+    return shapes
+
+
+SPEED_KEYS = ("model.", "data.max_tokens", "train.precision", "train.update_freq")
+NOT_SPEED = ("model.p_net", "model.bert.cache_dir", "model.dropout", "model.attention_dropout",
+             "model.activation_dropout")
+
+
+def shape_key(cfg: ExperimentConfig) -> str:
+    """What decides a run's speed (:data:`SPEED_KEYS` but :data:`NOT_SPEED`)."""
+    flat: Mapping[str, Any] = cfg.flat()
+    return repr(sorted((k, str(v)) for k, v in flat.items()
+                       if k.startswith(SPEED_KEYS) and not k.startswith(NOT_SPEED)))
+
+
+def missing_features(cfg: ExperimentConfig, data: PreparedData) -> int:
+    """Sentences (over every split) whose frozen BERT features a run of ``cfg`` reads but the cache does not
+    hold yet (0 for a model that reads none). ``cfg``'s BERT must exist."""
+    from nmtcore.bert.features import FeatureCache
+    from nmtcore.bert.layer import prepare_bert_inputs
+    from nmtcore.engine.phases import start_schedule
+    from nmtcore.models import build_model, prepare_model_resources
+
+    cfg = prepare_model_resources(cfg, data)
+    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
+    start_schedule(cfg, model)
+    layer = prepare_bert_inputs(model, data, use_cache=False)
+    if layer is None or not layer.cache_wanted:
+        return 0
+    cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
+    return sum(len(split) for split in data.splits.values()
+               if split.bert is not None and cache.load(layer.features_key(split.bert), len(split.bert)) is None)
+
+
+def checkpointed_epochs(run_dir: Path) -> int:
+    """The last epoch an interrupted training under ``run_dir`` saved (``checkpoints/epoch<N>.pt``), or 0."""
+    epochs = [int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("epoch*.pt") if p.stem[5:].isdigit()]
+    return max(epochs, default=0)
+
+
+def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None = None,
+            progress: Any = print, shared_s: float | None = None) -> Estimate:
+    """What a fresh run of ``space`` (``run_sweep``'s arguments) would cost here: the BERTs are made if missing
+    (the real run reuses them), every distinct trial model and the baseline are probed (:func:`probe`), and
+    nothing else is trained or written outside temporary directories. Sampled spaces are estimated at
+    ``num_samples`` trials of their first example point. ``shared_s``: the shared work is done and took that
+    long (a sweep printing its estimate once it has made its BERTs and their features)."""
+    import os
+
+    from nmtcore.bert import ensure_bert
+    from nmtcore.data import prepare_data
+    from nmtcore.sweep.baseline import baseline_key, default_root, find_baseline
+    from nmtcore.sweep.plan import (SEED_KEY, baseline_config, config_key, distinct_berts, trial_overrides,
+                                    validate_space)
+    from nmtcore.sweep.space import CELL_KEY
+    from nmtcore.sweep.settings import resolve_settings
+
+    settings = resolve_settings(settings)
+    validate_space(space, base, settings.seeds)
+    data = prepare_data(base.data)
+    cpus = settings.num_cpus or os.cpu_count() or 1
+    threads = max(1, int(settings.cpus_per_trial // settings.workers_per_trial))
+    slots = max(1, int(cpus // settings.cpus_per_trial))
+    if settings.max_concurrent:
+        slots = min(slots, settings.max_concurrent)
+
+    runs: list[tuple[str, ExperimentConfig]] = []
+    keys: list[str] = []  # each trial's config key, as its MLflow run is tagged (the report matches on it)
+    for i, cell in enumerate(space.cells()):
+        for s in range(settings.seeds):
+            overrides = trial_overrides(space, {CELL_KEY: i, SEED_KEY: base.train.seed + s}, base.train.seed)
+            runs.append((cell.label, base.with_overrides(overrides)))
+            keys.append(config_key(overrides))
+    if space.sampled:
+        point = space.example_points()[0]
+        n = (settings.num_samples or space.num_samples) * settings.seeds
+        runs += [(f"sample {i + 1}", base.with_overrides(space.overrides(point))) for i in range(n)]
+
+    shared: list[tuple[str, float]] = []
+    made: dict[str, ExperimentConfig] = {}  # shape -> the config with its BERT resolved
+    speeds: dict[str, Speed] = {}
+    for cfg in distinct_berts(space, base):
+        what = cfg.model.bert.name or f"L{cfg.model.bert.layers}-H{cfg.model.bert.hidden}"
+        progress(f"dry run: BERT {what}: made if missing, then its features looked up in the cache")
+        ready = ensure_bert(cfg)
+        missing = missing_features(ready, data) if shared_s is None else 0
+        key = shape_key(ready)
+        progress(f"dry run: probing {what} at {threads} thread(s)")
+        speeds[key], made[key] = probe(ready, data, threads), ready
+        rate = speeds[key].bert_sentences_per_s
+        if missing and rate:
+            shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
+
+    tokens, valid_n = epoch_tokens(data), len(data.valid)
+    test_n = sum(len(data.splits[name]) for name in base.data.test_splits)
+    costs: list[RunCost] = []
+    for label, cfg in runs:
+        key = shape_key(cfg)
+        if key not in speeds:
+            ready = ensure_bert(cfg)
+            progress(f"dry run: probing {label} at {threads} thread(s)")
+            speeds[key], made[key] = probe(ready, data, threads), ready
+        epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri)
+        costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
+
+    base_cost, done, done_epochs = None, False, 0
+    if space.protocol is not None and space.protocol.warm_start:
+        bcfg = baseline or baseline_config(space, base)
+        root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
+        bkey = baseline_key(bcfg, data.checksums)
+        done = find_baseline(root, bkey) is not None
+        done_epochs = checkpointed_epochs(root / bkey / "run")
+        if not done:
+            progress(f"dry run: probing the baseline at {int(cpus)} thread(s)")
+            speed = probe(ensure_bert(bcfg), data, int(cpus))
+            epochs, why = expected_epochs(bcfg, "baseline", settings.tracking_uri)
+            base_cost = run_cost("baseline", epochs, why, speed, tokens, valid_n, test_n, bcfg.train.valid_bleu)
+        else:
+            base_cost = RunCost("baseline", 0, 0.0, 0.0, "in the store")
+    if shared_s is not None:
+        shared = [("done in", shared_s)]
+    return estimate(shared, base_cost, done, costs, slots, machine_line(), done_epochs, keys)

@@ -1,0 +1,149 @@
+"""What a sweep will cost, said before it starts: the estimate's arithmetic on constructed plans, where its epochs
+come from, and the probe and dry run on a tiny task."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nmtcore import tracking
+from nmtcore.engine import build_trainer
+from nmtcore.sweep.cost import (RunCost, Speed, checkpointed_epochs, duration, epoch_tokens, estimate,
+                                expected_epochs, makespan, probe, run_cost, shape_key)
+from nmtcore.sweep.lifecycle import ROLE_TAG
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.tiny_bert import tiny_bert_dir
+from nmtcore.tracking.callback import STOPPED_BY_TAG
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_trials_start_in_order_as_slots_free():
+    assert makespan([3.0, 1.0, 1.0, 1.0], 2) == (3.0, 2)  # the short ones queue behind each other on one slot
+    assert makespan([1.0, 1.0, 1.0, 3.0], 2) == (4.0, 2)  # a long last trial starts late
+    assert makespan([5.0, 5.0, 5.0], 1) == (15.0, 3)
+    assert makespan([2.0, 2.0], 8) == (2.0, 1)
+    assert makespan([], 2) == (0.0, 0)
+    with pytest.raises(ValueError, match="slots"):
+        makespan([1.0], 0)
+
+
+def test_a_run_costs_its_epochs_of_training_and_validation_then_its_tests():
+    speed = Speed(train_tokens_per_s=100.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    cost = run_cost("arm", 3, "the budget's fixed epochs", speed, tokens=1000, valid_sentences=50, test_sentences=20)
+    assert cost.epoch_s == pytest.approx(1000 / 100 + 50 / 10)
+    assert cost.end_s == pytest.approx(2.0)
+    assert cost.seconds == pytest.approx(3 * 15 + 2)
+    no_bleu = run_cost("arm", 3, "x", speed, 1000, 50, 20, valid_bleu=False)
+    assert no_bleu.epoch_s == pytest.approx(10.0)
+
+
+def test_the_estimate_adds_shared_work_the_baseline_left_and_the_trials_waves():
+    arm = RunCost("arm", 2, 60.0, 10.0, "the budget's fixed epochs")  # 130 s each
+    base = RunCost("baseline", 20, 100.0, 30.0, "the cap: an upper bound")
+    est = estimate([("BERT features x", 40.0)], base, False, [arm] * 3, slots=2, machine="2 cores",
+                   baseline_epochs_done=5)
+    phases = {p.name: p for p in est.phases}
+    assert phases["shared work"].seconds == 40.0
+    assert phases["baseline"].seconds == pytest.approx(15 * 100 + 30)  # 5 of its 20 epochs already trained
+    assert "5 already trained" in phases["baseline"].detail and "upper bound" in phases["baseline"].detail
+    assert phases["trials"].seconds == pytest.approx(260.0)  # 3 trials of 130 s on 2 slots: two waves
+    assert "2 waves" in phases["trials"].detail
+    assert est.seconds == pytest.approx(40 + 1530 + 260)
+    text = "\n".join(est.lines())
+    assert "2 cores" in text and "total:" in text and duration(est.seconds) in text
+
+    reused = estimate([], RunCost("baseline", 0, 0.0, 0.0, "in the store"), True, [arm], 2, "m")
+    assert [p.seconds for p in reused.phases] == [0.0, 0.0, 130.0]
+    assert reused.phases[0].detail == "all cached" and "reused" in reused.phases[1].detail
+
+
+def test_durations_read_in_the_unit_that_fits():
+    assert duration(42) == "42 s" and duration(750) == "12.5 min" and duration(4 * 3600) == "4.0 h"
+    assert duration(math.nan) == "?"
+
+
+def test_epochs_come_from_the_budget_the_store_or_the_cap(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    fixed = tiny_experiment(tmp_path, **{"train.max_epochs": 4})
+    assert expected_epochs(fixed, "trial", uri) == (4.0, "the budget's fixed epochs")
+    converge = tiny_experiment(tmp_path, **{"train.max_epochs": 40, "train.patience": 3, "train.stop_metric": "valid_bleu", "train.valid_bleu": True,
+                                            "train.min_delta": 0.1})
+    epochs, why = expected_epochs(converge, "trial", uri)
+    assert epochs == 40.0 and "upper bound" in why
+
+    def record(cfg, role, stopped, epochs, status="FINISHED"):
+        with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: role, STOPPED_BY_TAG: stopped}) as t:
+            t.log_config(cfg)
+            for e in range(1, epochs + 1):
+                t.log_metrics({"epoch": e}, step=e)
+            if status != "FINISHED":
+                t.end(status)
+
+    record(converge, "trial", "patience", 9)
+    record(converge, "trial", "patience", 13)
+    record(converge, "trial", "patience", 11)
+    record(converge, "trial", "cap", 40)  # not converged: not counted
+    record(converge, "baseline", "patience", 30)  # another role
+    record(converge.with_overrides({"train.patience": 5}), "trial", "patience", 25)  # another rule
+    record(converge, "trial", "patience", 2, status="FAILED")
+    epochs, why = expected_epochs(converge, "trial", uri)
+    assert epochs == 11.0 and "median of 3 converged trial runs" in why
+    assert expected_epochs(converge, "baseline", uri)[0] == 30.0
+
+
+def test_an_epoch_trains_on_every_target_token_with_its_eos(tmp_path):
+    cfg = tiny_experiment(tmp_path)
+    trainer = build_trainer(cfg, device=torch.device("cpu"))
+    assert epoch_tokens(trainer.data) == sum(b.n_tgt_tokens for b in trainer.train_batches(epoch=1))
+
+
+def test_speed_depends_on_the_model_not_on_p_net_or_the_seed(tmp_path):
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": tiny_bert_dir()})
+    assert shape_key(cfg) == shape_key(cfg.with_overrides({"model.p_net": 0.0, "train.seed": 7}))
+    assert shape_key(cfg) != shape_key(cfg.with_overrides({"model.d_model": 32, "model.heads": 2}))
+    assert shape_key(cfg) != shape_key(tiny_experiment(tmp_path))
+
+
+def test_the_probe_measures_this_machine_and_leaves_the_threads_and_cache_alone(tmp_path):
+    torch.set_num_threads(2)
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": tiny_bert_dir()})
+    from nmtcore.data import prepare_data
+
+    data = prepare_data(cfg.data)
+    before = sorted(p.name for p in (cfg.data.resolved_cache_dir() / "bert_features").glob("*")) \
+        if (cfg.data.resolved_cache_dir() / "bert_features").is_dir() else []
+    speed = probe(cfg, data, threads=1)
+    assert torch.get_num_threads() == 2
+    assert speed.train_tokens_per_s > 0 and speed.decode_sentences_per_s > 0 and speed.threads == 1
+    assert speed.bert_sentences_per_s is not None and speed.bert_sentences_per_s > 0
+    after = sorted(p.name for p in (cfg.data.resolved_cache_dir() / "bert_features").glob("*")) \
+        if (cfg.data.resolved_cache_dir() / "bert_features").is_dir() else []
+    assert after == before  # the probe's features went to a temporary cache
+    assert probe(tiny_experiment(tmp_path), data, threads=1).bert_sentences_per_s is None  # no BERT, no features
+
+
+def test_checkpointed_epochs_reads_the_last_saved_epoch(tmp_path):
+    assert checkpointed_epochs(tmp_path) == 0
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("epoch3.pt", "epoch12.pt", "epoch12.pt.sha256", "best.pt"):
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    assert checkpointed_epochs(tmp_path) == 12
+
+
+def test_a_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
+    out = subprocess.run([sys.executable, "sweeps/drop_net.py", "--variant", "cause", "--budget", "quick",
+                          "--smoke-test", "--dry-run", "--storage", str(tmp_path / "sweeps")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("estimated cost on this machine"))
+    names = [line.split(":")[0].strip() for line in lines[head + 1:]]
+    assert names == ["shared work", "baseline", "trials", "total"]
+    assert "at once" in lines[head + 3] and "epochs" in lines[head + 3]
+    assert not (tmp_path / "sweeps").exists()  # no sweep started
