@@ -140,10 +140,44 @@ def test_bert_fused_branch_diagnostics_equal_switching_each_branch_off_by_hand(t
         model.enc_drop_net.weights = lambda w=enc: w
         model.dec_drop_net.weights = lambda w=dec: w
         by_hand[f"valid_bleu/{name}"] = bleu.corpus_bleu(trainer.translate(split, greedy), split.raw_tgt).score
-    assert figures == pytest.approx(by_hand, abs=1e-9)
+    assert {k: v for k, v in figures.items() if k.startswith("valid_bleu/")} == pytest.approx(by_hand, abs=1e-9)
     assert len(set(by_hand.values())) > 1  # the switches change the translations
+    assert {k.split("/")[1] for k in figures} == {"mix", "nmt_only", "bert_only"}
 
 
-def test_a_model_without_bert_has_no_diagnostics(tmp_path):
-    trainer = build_trainer(tiny_experiment(tmp_path), device=torch.device("cpu"))
-    assert measure(trainer) == {}
+def test_every_model_says_how_its_scores_and_its_translations_relate(tmp_path):
+    """The control has no BERT figures but the same scoring ones, each equal to a hand count over the
+    validation set: top-choice accuracy, entropy and NLL in bits per target token, the greedy output's length
+    over the references'."""
+    trainer = build_trainer(tiny_experiment(tmp_path, **{"train.max_epochs": 2}), device=torch.device("cpu"))
+    trainer.fit()
+    figures = measure(trainer)
+    assert set(figures) == {f"{k}/tested" for k in ("valid_bleu", "valid_len_ratio", "valid_token_acc",
+                                                    "valid_entropy", "valid_nll")}
+    model, cfg = trainer.model.eval(), trainer.cfg
+    split = trainer.data.splits[cfg.data.valid_split]
+    pad = trainer.data.vocab.pad_id
+    correct = n = 0
+    entropy = nll = 0.0
+    with torch.no_grad():
+        for batch in trainer.eval_batches(split):
+            probs = torch.softmax(model(batch).logits.float(), dim=-1)
+            for b in range(batch.tgt_out.size(0)):
+                for t in range(batch.tgt_out.size(1)):
+                    gold = int(batch.tgt_out[b, t])
+                    if gold == pad:
+                        continue
+                    p = probs[b, t]
+                    correct += int(int(p.argmax()) == gold)
+                    entropy += float(-(p * p.log()).sum()) / math.log(2)
+                    nll += -math.log2(float(p[gold]))
+                    n += 1
+    assert figures["valid_token_acc/tested"] == pytest.approx(correct / n, abs=1e-9)
+    assert figures["valid_entropy/tested"] == pytest.approx(entropy / n, rel=1e-4)
+    assert figures["valid_nll/tested"] == pytest.approx(nll / n, rel=1e-4)
+    assert figures["valid_nll/tested"] == pytest.approx(trainer.validate()["valid_nll"], rel=1e-4)
+    greedy = DecodeConfig(**{**cfg.decode.__dict__, "beam": 1, "nbest": 1})
+    score = bleu.corpus_bleu(trainer.translate(split, greedy), split.raw_tgt)
+    assert figures["valid_bleu/tested"] == pytest.approx(score.score)
+    assert figures["valid_len_ratio/tested"] == pytest.approx(score.sys_len / score.ref_len)
+    assert 0 < figures["valid_token_acc/tested"] < 1 and figures["valid_entropy/tested"] > 0

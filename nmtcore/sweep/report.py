@@ -142,8 +142,8 @@ def render_markdown(report: SweepReport) -> str:
 
 
 def diagnostics_table(report: SweepReport) -> list[str]:
-    """How much each arm used BERT (:mod:`nmtcore.diagnostics`, mean over seeds): one row per figure, one column
-    per arm; nothing when no arm has a figure."""
+    """How much each arm used BERT and how its scores and translations relate (:mod:`nmtcore.diagnostics`, mean
+    over seeds): one row per figure, one column per arm; nothing when no arm has a figure."""
     arms = [g for g in report.groups if g.diagnostics]
     if not arms:
         return []
@@ -157,7 +157,10 @@ def diagnostics_table(report: SweepReport) -> list[str]:
                 if ref is not None and ref.control else "")
              + ". `bert_usage/...`: read off the weights (BERT-JAM: GLU weight per BERT layer, Eq. 8); "
              "`probe/...`: over one pass of the validation set (document context: the gates' weight on BERT; "
-             "mask fusion: the masked fraction).", "",
+             "mask fusion: the masked fraction). For every arm, the control too (`tested`: a model without "
+             "switches): `valid_len_ratio` the greedy output's length over the references', `valid_token_acc` the "
+             "teacher-forced share of target tokens that are the top choice, `valid_entropy` and `valid_nll` in "
+             "bits per target token: where equal NLL and unequal BLEU part ways.", "",
              "| figure | " + " | ".join(g.label for g in arms) + " |", "|---|" + "|".join("---" for _ in arms) + "|"]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(_f(mean(g.diagnostics.get(name, [])), 3) for g in arms) + " |")

@@ -97,7 +97,7 @@ class TrackingCallback(Callback):
             w = summary.warm_start
             self.tracker.set_tags({"nmtcore.warm_start_source": w.source, "nmtcore.warm_start_loaded": w.loaded,
                                    "nmtcore.warm_start_fresh": w.fresh})
-        diagnostics = measure(trainer)  # how much the model used BERT (none for a model without it)
+        diagnostics = measure(trainer)  # how it scores and decodes; how much it used BERT (where it has one)
         if diagnostics:
             self.tracker.log_metrics({PREFIX + k: v for k, v in diagnostics.items() if math.isfinite(v)},
                                      step=summary.epochs)
