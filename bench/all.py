@@ -17,7 +17,7 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
   ``--sweep-updates`` updates in ``--sweep-epochs`` epochs; the second seed runs in the first one's Tune actor:
   what each further trial pays outside the trainer), ordered direct, sweep, sweep, direct (``--sweep-repeat 2``,
   the default): one pair alone read 9.3% where the same bench in that order right after read 1.3% (2026-11-29,
-  ``results/bench-all-2026-11-29-short-rows/``), the drift of a 2-core machine over a pair's ~5 minutes.
+  ``results/bench/2026-11-29-all-short-rows/``), the drift of a 2-core machine over a pair's ~5 minutes.
 
 Load: for each step, the 1-minute load average at its start and end, and ``others_cores``: the CPU the machine
 spent outside the step's own processes over the step's wall time, in cores (``/proc/stat`` busy time minus the

@@ -107,7 +107,7 @@ def decode_fresh(args, precision: str, echo: bool = True) -> dict[str, dict]:
     its training. Measured on 2026-11-26 (same checkpoint, 2 threads): 122.6 sentences/s at beam 5 inside the
     training process of a full run, 120.8 in a fresh process right after a full run's training, 152-159 from
     fresh processes on a machine that had not just trained for ten minutes (all before the decoding process tuned
-    glibc's allocator; README, "The allocator"); the peer's decode meets the same machine."""
+    glibc's allocator; docs/performance.md, "The allocator"); the peer's decode meets the same machine."""
     cmd = [sys.executable, __file__, "--data-dir", args.data_dir, "--out", args.out, "--threads", str(args.threads),
            "--precisions", precision, "--skip-thr", "--reuse", "--decode-child", "--max-tokens", str(args.max_tokens)]
     if args.cache_dir:

@@ -9,7 +9,7 @@ process's speed (pages faulted in again) and its resident memory (freed memory k
 - **Training** (:func:`preload_env`): under activation checkpointing's recompute glibc keeps freed heap mapped
   that it cannot reuse: the PLM-sponsored trial's resident peak was 2.2× what its allocations ever held at
   once (the baseline's 1.5×). gperftools' tcmalloc (``libtcmalloc_minimal``) took a third off that trial's
-  peak, left the baseline's as it was and was not slower (README, "The allocator for training"; jemalloc: smaller
+  peak, left the baseline's as it was and was not slower (docs/performance.md, "The allocator for training"; jemalloc: smaller
   everywhere, the baseline's updates slower). An allocator cannot be swapped inside a running process, so the
   library is preloaded (``LD_PRELOAD``) into the processes that train: the ``nmtcore`` command re-executes
   itself once (:func:`reexec_with_allocator`; training commands only) and a sweep passes it to the processes
@@ -160,7 +160,7 @@ def tune_allocator() -> bool:
     step frees and reallocates its large tensors (logits, log-probabilities) every time, so each step faults in,
     zeroed, memory it has just released. With the thresholds raised (:data:`MMAP_THRESHOLD`,
     :data:`TRIM_THRESHOLD`) the heap keeps and reuses it: measured here (2 threads, the baseline Transformer 3+3,
-    d 256, beam 5) ~10x fewer minor page faults and ~25% more sentences/s (README, "The allocator").
+    d 256, beam 5) ~10x fewer minor page faults and ~25% more sentences/s (docs/performance.md, "The allocator").
 
     Called by processes that decode (:class:`~nmtcore.decoding.translator.Translator`), not by training: there
     the evidence was mixed (the baseline's updates faster in some pairs, PLM-sponsored's 14% slower in two runs

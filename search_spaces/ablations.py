@@ -22,7 +22,7 @@ M0–M3 + control at one seed (about half on a quiet machine). The smoke test (`
 defaults only) runs a 4-epoch version (scale 0.05: 2/1/1) of the same protocol. A scale that leaves the
 fine-tuning phase shorter than ``train.average_last`` (0.05 here) makes the arms test one epoch's weights and the
 control an average of its last epochs: set ``train.average_last=1`` with it (the report warns; in
-``results/bert_jam-ablation-scale005`` averaging cost the control 1.0 BLEU).
+``results/studies/bert_jam-ablation-scale005`` averaging cost the control 1.0 BLEU).
 """
 
 from nmtcore.sweep.space import SearchSpace

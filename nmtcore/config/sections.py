@@ -282,7 +282,7 @@ class TrainConfig:
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     # torch.compile (inductor, dynamic shapes) of the training forward; validation and decoding stay eager.
-    # Off by default: on the CPUs measured it was slower than eager (README, "Speed and memory").
+    # Off by default: on the CPUs measured it was slower than eager (docs/performance.md).
     compile: bool = False
     keep_last: int = 3  # epoch checkpoints kept on disk
     # Average the last K epoch checkpoints (of the last phase, with a schedule) into the tested model; 0 = off.
@@ -380,10 +380,10 @@ class DecodeConfig:
               f"must be auto, fp32 or bf16, got {self.precision!r}")
 
     def sentences_per_batch(self, device: torch.device) -> int:
-        """``max_sentences``, or by device when 0: 128 on a CPU (the size every CPU decoding figure in the README
+        """``max_sentences``, or by device when 0: 128 on a CPU (the size every CPU decoding figure in docs/performance.md
         was measured at); 1,024 on a GPU, where a beam step is bound by kernel launches, not arithmetic (on an
         H100, beam 5 over Multi30k decoded 1,726 sentences/s at 128 a batch and 8,403 at 1,024, for 1.5 GiB:
-        bench/gpu.py's decode section, results/gpu-h100-2026-11-27 run 4)."""
+        bench/gpu.py's decode section, results/bench/2026-11-27-gpu-h100 run 4)."""
         if self.max_sentences:
             return self.max_sentences
         return 128 if device.type == "cpu" else 1024

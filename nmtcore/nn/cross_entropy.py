@@ -77,7 +77,7 @@ def _block_rows(vocab: int, device: torch.device) -> int:
     """Rows per block of the bf16 loss. CPU: ~2 MB of fp32 logits (64 rows of an 8k vocabulary), so each block
     stays in cache. GPU: ~256 MB (32k rows of an 8k vocabulary, i.e. a whole 4k- or 16k-token batch in one or a
     few blocks): each block is several kernel launches, and cache-sized blocks made a 16k-token batch thousands
-    of them. On an H100 (bench/gpu.py, results/gpu-h100-2026-11-27), nmtcore's bf16 step at 16k tokens went from
+    of them. On an H100 (bench/gpu.py, results/bench/2026-11-27-gpu-h100), nmtcore's bf16 step at 16k tokens went from
     0.44x bare PyTorch's to 1.16x with this and the trainer's single wait per update (not measured apart), for
     ~0.5 GiB more peak memory."""
     budget = 1 << 26 if device.type == "cuda" else 1 << 19  # fp32 elements per block

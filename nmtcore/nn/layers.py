@@ -257,7 +257,7 @@ def wide_decoding_cache(q: Tensor) -> bool:
     prefix pays only where the rows are not copied at every step: a cache marked
     :attr:`~nmtcore.nn.cache.LayerCache.reordered_each_step` (beam search) stays in bf16. The trained 500-update
     baseline of ``bench/vs_fairseq.py`` on the full test_2016, 4 alternated pairs in one process
-    (2026-11-29, ``results/bench-2026-11-29-beam-cache/``): beam 5 with the fp32 prefix took 1.054x and 1.079x
+    (2026-11-29, ``results/bench/2026-11-29-beam-cache/``): beam 5 with the fp32 prefix took 1.054x and 1.079x
     the bf16 prefix's time (BLEU 26.81 against 26.75), greedy with a bf16 prefix 1.12x and 1.16x the fp32
     prefix's (24.28 against 24.36)."""
     kind = q.device.type

@@ -308,7 +308,7 @@ def _loopback_only() -> Any:
 # preempts a trial's threads at once, and a 2-thread trial on 2 cores waits for the preempted one. At nice 19 they
 # run beside the trials instead of ahead of them: inside a sweep, a 2-epoch 2-thread trial trained in 98.5 / 94.2 s
 # with the daemons (not yet the agents) at 19 against 102.5 / 98.3 s at Ray's default, in ABBA order (direct runs
-# 100.3 / 90.6 s; results/bench-2026-11-29-trial-in-actor/).
+# 100.3 / 90.6 s; results/bench/2026-11-29-trial-in-actor/).
 CONTROL_PLANE_NICE = 19
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # the node's agents: control plane, named like workers
 _local_cluster_pid: int | None = None  # the process that started the local cluster (init_ray), while it runs
@@ -639,7 +639,7 @@ def scheduler(space: SearchSpace, settings: SweepSettings, max_epochs: int, cell
 
 def reuse_trial_actors(trial_scheduler: Any) -> bool:
     """Whether a trial's Tune actor runs the next trial too (Tune's ``reuse_actors``), sparing each further
-    trial the start of a process that imports torch, MLflow and Ray Train (6-7 s on 2 cores, README "What a
+    trial the start of a process that imports torch, MLflow and Ray Train (6-7 s on 2 cores, docs/performance.md "What a
     sweep costs a trial"). Only under FIFO, where a trial ends when its function returns, i.e. once its Train
     run has finished: a trial stopped early (ASHA) leaves its function blocked in ``TorchTrainer.fit``, and a
     reused actor would keep that Train run going and fail to reset for the next trial (Tune errors that trial).
@@ -691,7 +691,7 @@ class TrialTrainer(TorchTrainer):
     """Ray Train's ``TorchTrainer`` without two helper actors a sweep trial pays for and does not use.
 
     Each is one more Ray process per trial, and on this project's 2-core machines one cost 7.7-10.6 CPU seconds over
-    one 2-thread trial, taken from the trial's own threads (per-process CPU, README "What a sweep
+    one 2-thread trial, taken from the trial's own threads (per-process CPU, docs/performance.md "What a sweep
     costs a trial"):
 
     * the dataset manager (``DatasetsCallback``): created for every run even with no Ray dataset; trials read

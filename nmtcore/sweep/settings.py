@@ -93,7 +93,7 @@ class SweepSettings:
     borrow_idle_cpus: bool = option(True, "a running trial trains on more threads while CPUs of its (single) node "
                                           "are idle, e.g. in a sweep's last wave (nmtcore.sweep.idle_cpus)")
     trial_in_actor: bool = option(True, "a one-worker CPU trial trains in its Tune trial actor instead of starting a "
-                                        "Ray Train controller and worker process of its own (README 'What a sweep "
+                                        "Ray Train controller and worker process of its own (docs/performance.md 'What a sweep "
                                         "costs a trial')")
     borrow_check_s: float = 30.0  # how often a trial looks for idle CPUs (and for lent ones taken back)
     max_failures: int = option(2, "retries of a crashed trial from its checkpoint")
