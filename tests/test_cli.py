@@ -4,8 +4,10 @@ and SIGTERM. Bad input (one-line errors, exit status 2, nothing half-written): t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,7 +91,60 @@ def test_sigterm_ends_the_mlflow_run_killed_and_keeps_checkpoints(tmp_path):
     assert ckpt.exists(), proc.communicate()[1][-2000:]
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("nmtcore: stopped by SIGTERM; the checkpoints written so far are kept"), err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
     runs = tracking.load_runs(experiment="sigterm", tracking_uri=uri)
     assert [r.status for r in runs] == ["KILLED"], err[-2000:]
-    assert epoch_checkpoints(tmp_path / "run" / "checkpoints")  # the resume point survived
+    saved = epoch_checkpoints(tmp_path / "run" / "checkpoints")
+    assert saved  # the resume point survived
+
+    # The same command again resumes from the last checkpoint; Ctrl-C (SIGINT) stops it the same way.
+    proc = subprocess.Popen(proc.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    newer = tmp_path / "run" / "checkpoints" / f"epoch{len(saved) + 1}.pt.sha256"
+    while not newer.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "resumed from" in err and err.strip().splitlines()[-1].startswith("nmtcore: stopped by SIGINT"), err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert len(epoch_checkpoints(tmp_path / "run" / "checkpoints")) > len(saved)
+
+
+@pytest.mark.slow  # ~1 min: a local Ray cluster and the smoke test's BERT
+def test_ctrl_c_during_a_sweep_s_shared_work_ends_it_with_one_line_and_status_130(tmp_path):
+    """SIGINT while the work the trials share runs as Ray tasks (data, BERT, the baseline): the sweep stops
+    within a minute, says what it kept in one line, exits 130, and leaves no Ray process behind."""
+    import signal
+    import time
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "sweeps/bert_size_grid.py", "--smoke-test"], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NMTCORE_NO_PROGRESS": "1"})
+    lines: list[str] = []
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if " prepare BERT " in line and "started" in line or " baseline " in line and "started" in line:
+            break
+    assert proc.poll() is None, "".join(lines)[-3000:]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - t0 < 60, err[-2000:]
+    assert proc.returncode == 130, (out + err)[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("bert_size_grid.py: stopped by SIGINT; what was finished is kept"), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    time.sleep(5)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children

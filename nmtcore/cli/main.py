@@ -222,9 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Schedulers stop jobs with SIGTERM; turn it into KeyboardInterrupt so the MLflow run ends KILLED
-    # (not left RUNNING) and checkpoints already written stay the resume point.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Schedulers stop jobs with SIGTERM, people with Ctrl-C: both unwind as KeyboardInterrupt, so the MLflow run
+    # ends KILLED (not left RUNNING), checkpoints already written stay the resume point, and the command ends with
+    # one line and the shell's status for that signal (128 + its number).
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if argv is None and getattr(args, "trains", False):
             # The console command only (a caller's own process, a test's or a notebook's, is never replaced):
@@ -234,6 +235,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        kept = ("the checkpoints written so far are kept: the same command resumes from the last one"
+                if getattr(args, "trains", False) else "no output was written (it is written whole at the end)"
+                if args.func is cmd_translate else "nothing was left half-written")
+        print(f"nmtcore: stopped by {signal.Signals(signum).name}; {kept}", file=sys.stderr)
+        return 128 + int(signum)
+    finally:  # a caller's process (a test, a notebook) gets its own handlers back
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def check_writable_dir(path: str | os.PathLike, key: str) -> None:
@@ -258,5 +269,13 @@ def check_writable_dir(path: str | os.PathLike, key: str) -> None:
         raise ConfigError(f"{key}: directory {target} is not writable{where}: {e.strerror or e}") from None
 
 
+class Stopped(KeyboardInterrupt):
+    """A signal that stops a command (SIGTERM, SIGINT), raised where the main thread is when it arrives."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"stopped by signal {signum}")
+    raise Stopped(signum)

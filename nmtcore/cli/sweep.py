@@ -153,7 +153,19 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         print("\n".join(dry_run(space, base, settings, baseline=baseline).lines()))
         return 0
     t0 = time.perf_counter()
-    result = run_sweep(space, base, settings, baseline=baseline)
+    try:
+        result = run_sweep(space, base, settings, baseline=baseline)
+    except KeyboardInterrupt:
+        again = [a for a in sys.argv if a != "--resume"]
+        from nmtcore.sweep.driver import STATE_FILE
+
+        started = (Path(settings.storage) / settings.name / STATE_FILE).is_file()
+        print(f"\n{Path(sys.argv[0]).name}: stopped by SIGINT; what was finished is kept ("
+              + ("its trials' checkpoints: resume with python " + " ".join(again) + " --resume"
+                 + ("" if args.name else f" --name {settings.name}") if started else
+                 "the data, BERTs, feature caches and the baseline's checkpoints are cached: the same command "
+                 "continues from them") + ")", file=sys.stderr)
+        return 130
     print(f"\nsweep {result.name} {'INTERRUPTED' if result.interrupted else 'finished'} in "
           f"{time.perf_counter() - t0:.0f} s: {len(result.trials)} trials "
           f"({', '.join(f'{t.status}' for t in result.trials)})")
