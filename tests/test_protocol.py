@@ -182,3 +182,72 @@ def test_a_bert_arm_trains_on_its_controls_batches(tmp_path):
     valid = control.data.splits[base.data.valid_split]
     assert [b.ids.tolist() for b in arm.eval_batches(arm.data.splits[base.data.valid_split])] == \
         [b.ids.tolist() for b in control.eval_batches(valid)]
+
+
+# ---------------------------------------------------------------------- adopting a baseline across a code change
+def _old_code(monkeypatch):
+    monkeypatch.setattr(store, "code_digest", lambda: "the older code")
+
+
+def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_and_data(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from nmtcore import tracking
+
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "store"
+    with monkeypatch.context() as m:
+        _old_code(m)
+        old = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)
+    assert (root / old.key / store.INPUTS_FILE).is_file()
+
+    with pytest.raises(store.AdoptError, match="another config.*train.lr"):
+        store.adopt_baseline(cfg.with_overrides({"train.lr": 1e-3}), old.key, root, tracking_uri=uri)
+    with pytest.raises(store.AdoptError, match="no baseline nope"):
+        store.adopt_baseline(cfg, "nope", root, tracking_uri=uri)
+    new_key = store.adopt_baseline(cfg, old.key, root, tracking_uri=uri, reason="a comment changed")
+    assert new_key != old.key and (root / new_key).is_symlink()
+    with pytest.raises(store.AdoptError, match="exists already"):
+        store.adopt_baseline(cfg, old.key, root, tracking_uri=uri)
+
+    again = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)
+    assert again.key == new_key and not again.trained_now and again.path.resolve() == old.path.resolve()
+    [run] = tracking.search_runs(f"tags.`{store.KEY_TAG}` = '{new_key}'", uri)
+    assert run.tags["nmtcore.baseline_adopted_from"] == old.key
+    [row] = store.stored_baselines(root)
+    assert row["key"] == old.key and row["finished"] and row["adopted_as"] == [new_key] and row["epochs"] == 1
+    from nmtcore.cli.main import main
+
+    capsys.readouterr()
+    assert main(["baselines", "--root", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("1 baseline(s)") and out[1].split()[0] == old.key and f"adopted as {new_key[:12]}" in out[1]
+
+
+def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(tmp_path, monkeypatch):
+    from nmtcore import tracking
+    from nmtcore.engine import Callback
+
+    class StopAfterFirstEpoch(Callback):
+        def on_epoch_end(self, trainer, epoch, metrics, checkpoint):
+            raise KeyboardInterrupt("stopped after epoch 1")
+
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 2})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "store"
+    with monkeypatch.context() as m:
+        _old_code(m)
+        old_key = store.baseline_key(cfg, store.prepare_data(cfg.data).checksums)
+        with pytest.raises(KeyboardInterrupt):
+            store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None,
+                                  callbacks=(StopAfterFirstEpoch(),))
+    assert not (root / old_key / "meta.json").exists() and (root / old_key / "run" / "checkpoints").is_dir()
+
+    new_key = store.adopt_baseline(cfg, old_key, root, tracking_uri=uri)
+    lines: list[str] = []
+    done = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lines.append)
+    assert done.trained_now and done.key == new_key and done.meta["fit"]["epochs"] == 2
+    assert any("epochs 2..2 (resumed)" in line for line in lines), lines
+    runs = tracking.search_runs(f"tags.`{store.ROLE_TAG}` = 'baseline'", uri)
+    assert len(runs) == 1 and runs[0].status == "FINISHED"  # the same tracked run, continued
+    assert (root / old_key / "meta.json").is_file()  # written where it trained, found through the new key

@@ -126,6 +126,20 @@ def _bert_data(args: argparse.Namespace) -> Any:
                       cache_dir=args.cache_dir or "", download=not args.no_download)
 
 
+def cmd_baselines(args: argparse.Namespace) -> int:
+    from nmtcore.config import DataConfig
+    from nmtcore.sweep.baseline import stored_baselines
+
+    root = Path(args.root) if args.root else DataConfig().resolved_cache_dir() / "baselines"
+    rows = stored_baselines(root)
+    print(f"{root}: {len(rows)} baseline(s)")
+    for r in rows:
+        state = ("converged" if r["converged"] else "finished, not converged") if r["finished"] else "part-trained"
+        adopted = f"; adopted as {', '.join(k[:12] for k in r['adopted_as'])}" if r["adopted_as"] else ""
+        print(f"  {r['key']}  {state}, {r['epochs']} epochs{adopted}")
+    return 0
+
+
 def cmd_bert_build(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -203,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-download", action="store_true", help="never download the corpus")
     bp.add_argument("--force", action="store_true", help="pretrain again even if the result is cached")
     bp.set_defaults(func=cmd_bert_pretrain, trains=True)
+
+    bl = sub.add_parser("baselines", help="the shared baselines stored here: key, finished, converged, epochs, "
+                                          "keys adopted onto it")
+    bl.add_argument("--root", help="the store (default: $NMTCORE_CACHE/baselines or ~/.cache/nmtcore/baselines)")
+    bl.set_defaults(func=cmd_baselines)
 
     bb = sub.add_parser("bert-build", help="make (or find) a BERT by name and print where it is and what it is: "
                                            "minilm | mpnet | e5 [:L<k>], distilled:L2-H128, pretrained-here:…")

@@ -49,6 +49,10 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
     p.add_argument("--arms-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of the arms and the control only (e.g. train.max_epochs=1: a shorter second "
                         "stage), not of the shared baseline they warm-start from")
+    p.add_argument("--adopt-baseline", metavar="OLD_KEY",
+                   help="use the shared baseline stored under OLD_KEY by older code (finished or part-trained) as this "
+                        "code's: refused unless its config and data are this sweep's, only the code differs (see "
+                        "`nmtcore baselines`)")
     p.add_argument("--dry-run", action="store_true",
                    help="train nothing: measure this machine's speed on every distinct trial model and the baseline "
                         "(a few updates each) and print what each phase of the sweep would cost")
@@ -147,6 +151,15 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     if values.get("estimate") is None:  # real runs say what they will cost; smoke tests and resumed sweeps don't
         values["estimate"] = not (args.smoke_test or args.resume)
     settings = SweepSettings(**values)
+    if args.adopt_baseline:
+        from nmtcore.sweep.baseline import AdoptError, adopt_baseline
+
+        if baseline is None:
+            raise AdoptError(f"{space.name} warm-starts from no shared baseline: nothing to adopt")
+        new = adopt_baseline(baseline, args.adopt_baseline, settings.baseline_store, tracking_uri=settings.tracking_uri,
+                             reason=f"--adopt-baseline by {study.STUDY}-{space.variant}")
+        print(f"baseline {args.adopt_baseline[:12]} adopted as {new[:12]}: same config and data, older code "
+              "(recorded in its adoptions.jsonl)")
     if args.dry_run:
         from nmtcore.sweep.cost import dry_run
 

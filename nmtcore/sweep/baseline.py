@@ -36,6 +36,7 @@ from nmtcore.engine import Callback, RunSummary, Trainer, run_experiment
 from nmtcore.engine.summary import still_improving
 from nmtcore.files import atomic_write_text, file_lock
 from nmtcore.sweep.lifecycle import ROLE_TAG
+from nmtcore.sweep.settings import SweepError
 from nmtcore.tracking.callback import TrackingCallback
 
 log = logging.getLogger("nmtcore.sweep")
@@ -183,7 +184,11 @@ class EpochProgress(Callback):
 
 def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri: str | None, experiment: str,
            progress: Callable[[str], None], callbacks: tuple[Callback, ...]) -> Baseline:
-    home = root / key
+    home = (root / key).resolve()  # an adopted baseline's key is a link to the directory it was trained in
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / INPUTS_FILE).is_file():  # what the key hashed, so that later code can adopt it
+        atomic_write_text(home / INPUTS_FILE, json.dumps(key_inputs(cfg, data.checksums, key), indent=1,
+                                                         default=repr) + "\n")
     cfg = cfg.with_overrides({"output_dir": str(home / "run"), "train.save_dir": ""})
     t0 = time.perf_counter()
     label = f"baseline {key[:12]}"
@@ -212,6 +217,84 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
              f"{summary.fit.best_valid_loss:.4f}, stopped by {summary.fit.stopped_by}"
              + ("" if meta["converged"] else " (NOT CONVERGED: the patience rule did not fire)"))
     return Baseline(key, home / "baseline.pt", meta, True)
+
+
+INPUTS_FILE = "inputs.json"  # a baseline's key inputs (config, data, code digest), written before it trains
+ADOPTIONS_FILE = "adoptions.jsonl"  # one line per later code's key that was pointed at this baseline
+
+
+def key_inputs(cfg: ExperimentConfig, data_checksums: Mapping[str, str], key: str) -> dict[str, Any]:
+    """What :func:`baseline_key` hashed for ``key``: the weight config, the data checksums it kept, the code."""
+    splits = (cfg.data.train_split, cfg.data.valid_split)
+    return {"format": BASELINE_FORMAT, "key": key, "weight_config": weight_config(cfg), "code": code_digest(),
+            "data": {k: v for k, v in data_checksums.items() if k == "vocab" or k.rsplit(".", 1)[0] in splits}}
+
+
+class AdoptError(SweepError):
+    """A stored baseline cannot be adopted by this code (one line says why)."""
+
+
+def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None = None, *,
+                   tracking_uri: str | None = None, reason: str = "") -> str:
+    """Point this code's key for ``cfg``'s baseline at the baseline stored (finished, or trained part way) under
+    ``old_key`` by older code, and return the new key: for a code change that changes no weight (a comment, a
+    new attribute), which would otherwise retrain a baseline that took hours.
+
+    Refused unless the stored baseline's recorded key inputs (its ``meta.json``, or the ``inputs.json`` written
+    before it trained) give exactly ``old_key`` and name the same weight config and data as ``cfg`` now: only the
+    code may differ. The new key becomes a link to the old directory (its checkpoints, so an interrupted training
+    resumes there), the adoption is appended to its ``adoptions.jsonl`` (code digests, time, ``reason``), and its
+    MLflow run is tagged with the new key (``nmtcore.baseline_adopted_from``: the old one)."""
+    root = Path(root) if root is not None else default_root(cfg)
+    data = prepare_data(cfg.data)
+    new_key = baseline_key(cfg, data.checksums)
+    old_dir = root / old_key
+    if new_key == old_key:
+        raise AdoptError(f"baseline {old_key[:12]} already has this code's key: nothing to adopt")
+    if not old_dir.is_dir():
+        stored = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise AdoptError(f"no baseline {old_key} under {root} (stored: {', '.join(stored) or 'none'})")
+    if (root / new_key).exists():
+        raise AdoptError(f"{root / new_key} exists already: this code has a baseline of its own")
+    record = next((json.loads((old_dir / f).read_text(encoding="utf-8")) for f in ("meta.json", INPUTS_FILE)
+                   if (old_dir / f).is_file()), None)
+    if record is None:
+        raise AdoptError(f"baseline {old_key[:12]} records no key inputs (neither meta.json nor {INPUTS_FILE}): "
+                         "cannot check that only the code differs")
+    mine = key_inputs(cfg, data.checksums, new_key)
+    same = json.dumps(record.get("weight_config"), sort_keys=True, default=repr) == \
+        json.dumps(mine["weight_config"], sort_keys=True, default=repr)
+    if not same:
+        theirs, ours = record.get("weight_config") or {}, mine["weight_config"]
+        diff = sorted(k for k in set(theirs) | set(ours) if repr(theirs.get(k)) != repr(ours.get(k)))
+        raise AdoptError(f"baseline {old_key[:12]} trained another config ({', '.join(diff[:5])}): not adoptable")
+    if baseline_key(cfg, data.checksums, code=record.get("code")) != old_key:
+        raise AdoptError(f"baseline {old_key[:12]} trained on other data or under another key format: not adoptable")
+    (root / new_key).symlink_to(old_key, target_is_directory=True)
+    with open(old_dir / ADOPTIONS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"key": new_key, "code": mine["code"], "from_code": record.get("code"), "reason": reason,
+                            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    if _store_exists(tracking_uri):
+        for run in tracking.search_runs(f"tags.`{KEY_TAG}` = '{old_key}'", tracking_uri):
+            tracking.set_run_tags(run.run_id, {KEY_TAG: new_key, "nmtcore.baseline_adopted_from": old_key},
+                                  tracking_uri)
+    return new_key
+
+
+def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
+    """Every baseline directory under ``root``: its key, whether it finished (and converged), the epochs its
+    checkpoints reached, the keys adopted onto it."""
+    out = []
+    root = Path(root)
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []:
+        meta = json.loads((d / "meta.json").read_text(encoding="utf-8")) if (d / "meta.json").is_file() else None
+        epochs = [int(p.stem[5:]) for p in (d / "run" / "checkpoints").glob("epoch*.pt") if p.stem[5:].isdigit()]
+        adopted = [json.loads(line)["key"] for line in (d / ADOPTIONS_FILE).read_text(encoding="utf-8").splitlines()
+                   if line.strip()] if (d / ADOPTIONS_FILE).is_file() else []
+        out.append({"key": d.name, "finished": meta is not None, "converged": bool(meta and meta.get("converged")),
+                    "epochs": meta["fit"]["epochs"] if meta else max(epochs, default=0), "adopted_as": adopted,
+                    "created": meta.get("created") if meta else None})
+    return out
 
 
 def _store_exists(tracking_uri: str | None) -> bool:
