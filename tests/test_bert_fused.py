@@ -177,3 +177,45 @@ def test_translator_builds_the_bert_stream_of_raw_input(tmp_path):
     translator = load_translator(Path(cfg.output_dir) / "checkpoints" / "epoch1.pt")
     expected = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
     assert translator.translate(src) == expected
+
+
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_a_skipped_branch_gets_a_zero_gradient_and_keeps_its_momentum_only_when_asked(small_batch, stack):
+    """``model.drop_net_zero_grads``: the branch drop-net switched off gets zero gradients (the original code's
+    ×0), so Adam moves it on its momentum; off (the default), it gets none and Adam leaves it where it was. The
+    layer's output is the same either way."""
+    outs, moved = {}, {}
+    for zero in (False, True):
+        model, _ = fused(p_net=1.0, drop_net_zero_grads=zero)
+        model.train()
+        batch = with_inputs(model, small_batch)
+        bert_out = model.bert(batch)
+        x = model.embed(batch.src, model.src_embed).detach()  # the layer's input: a leaf for both backward passes
+        if stack == "encoder":
+            layer = model.encoder_layers[0]
+            run = lambda w: layer(x, batch.src_mask, bert_out.last, bert_out.mask, w)  # noqa: E731
+            on, off = layer.self_attn, layer.bert_attn  # w = (1, 0): attn_S only
+        else:
+            layer = model.decoder_layers[0]
+            enc = x
+            y0 = model.embed(batch.tgt_in, model.tgt_embed).detach()
+            run = lambda w: layer(y0, enc, batch.src_mask, bert_out.last, bert_out.mask, w)  # noqa: E731
+            on, off = layer.bert_attn, layer.cross_attn  # w = (1, 0): attn_B only
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+        run((0.5, 0.5)).square().mean().backward()  # a step through both: both get momentum
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        before = [p.detach().clone() for p in off.parameters()]
+        out = run((1.0, 0.0))
+        out.square().mean().backward()
+        outs[zero] = out.detach()
+        grads = [p.grad for p in off.parameters()]
+        if zero:
+            assert all(g is not None and not g.any() for g in grads)
+        else:
+            assert all(g is None for g in grads)
+        assert all(p.grad is not None and p.grad.any() for p in on.parameters() if p.dim() > 1)
+        opt.step()
+        moved[zero] = any(not torch.equal(a, p) for a, p in zip(before, off.parameters()))
+    torch.testing.assert_close(outs[True], outs[False])
+    assert moved == {False: False, True: True}

@@ -40,6 +40,9 @@ class BertFusedConfig(ModelConfig):
 
     name: str = "bert_fused"
     p_net: float = 1.0  # drop-net probability (Eq. 3); the paper's setting is 1.0
+    # A branch drop-net skips gets a zero gradient instead of none, so Adam keeps moving it on its momentum and
+    # counts the step, as the original code does (it computes both branches and weights one by 0).
+    drop_net_zero_grads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -22,7 +22,13 @@ original code:
 - the original drew U from an unseeded numpy RNG; ours comes from a ``torch.Generator`` seeded at
   construction from ``torch.initial_seed()`` (= ``train.seed``: the trainer seeds torch before building
   the model) whose state is a persistent buffer (``drop_net_rng``), so checkpoints carry it and a resume
-  draws the same U sequence, bit-identically.
+  draws the same U sequence, bit-identically;
+- the branch drop-net switches off is not run at all, so its weights get no gradient and torch's Adam skips
+  them (no momentum step, no step count). The original computes both branches and weights one by 0: a zero
+  gradient, on which Adam still moves the weights by their momentum. At p_net = 1 each branch is off about
+  half the time, so the new BERT attention moves less per update than in the original.
+  ``model.drop_net_zero_grads=true`` gives a skipped branch a zero gradient (at the cost of one scalar per
+  weight, not the branch), as the original; off by default until the drop-net study has measured it.
 
 BERT is frozen unless ``model.bert.freeze=false`` (fine-tuning); a frozen BERT's features come from the
 frozen-feature cache (:mod:`nmtcore.bert`).
@@ -58,12 +64,15 @@ class BertFusedEncoderLayer(nn.Module):
         self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
         self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.zero_grads = cfg.drop_net_zero_grads
 
     def forward(self, x: Tensor, mask: Tensor, bert: Tensor, bert_mask: Tensor, w: tuple[float, float]) -> Tensor:
         """``w``: drop-net weights of (attn_S, attn_B) for this layer and forward."""
         h = self.self_res.before(x)  # (B, S, C)
         y = combine(lambda: self.self_attn(h, key_padding_mask=mask),  # attn_S (B, S, C)
                     lambda: self.bert_attn(h, bert, bert_mask), w)  # attn_B (B, S, C)
+        if self.zero_grads and self.training:
+            y = with_zero_grads(y, (self.self_attn, self.bert_attn), w)
         x = self.self_res.after(x, y)  # Eq. 1 / Eq. 3
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
 
@@ -81,6 +90,7 @@ class BertFusedDecoderLayer(nn.Module):
         self.cross_res = Residual(d, cfg.dropout, cfg.pre_norm)
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
         self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
+        self.zero_grads = cfg.drop_net_zero_grads
 
     def forward(self, x: Tensor, enc: Tensor, enc_mask: Tensor, bert: Tensor, bert_mask: Tensor,
                 w: tuple[float, float], cache: LayerCache | None = None) -> Tensor:
@@ -89,8 +99,20 @@ class BertFusedDecoderLayer(nn.Module):
         h = self.cross_res.before(x)  # (B, T, C)
         y = combine(lambda: self.bert_attn(h, bert, bert_mask, cache=cache, name="bert"),  # attn_B (B, T, C)
                     lambda: self.cross_attn(h, enc, enc_mask, cache=cache, name="enc"), w)  # attn_E (B, T, C)
+        if self.zero_grads and self.training:
+            y = with_zero_grads(y, (self.bert_attn, self.cross_attn), w)
         x = self.cross_res.after(x, y)  # Eq. 2 / Eq. 3 (decoder)
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
+
+
+def with_zero_grads(y: Tensor, branches: tuple[nn.Module, nn.Module], w: tuple[float, float]) -> Tensor:
+    """``y`` unchanged in value, but joined to the weights of the branch ``w`` switched off (weight 0) by a term
+    that is 0: backward gives each of them a zero gradient (``model.drop_net_zero_grads``)."""
+    off = [m for m, weight in zip(branches, w) if weight == 0.0]
+    params = [p for m in off for p in m.parameters() if p.requires_grad]
+    if not params:
+        return y
+    return y + torch.stack([p.reshape(-1)[0] for p in params]).sum().mul(0.0).to(y.dtype)
 
 
 # ---------------------------------------------------------------------- the model

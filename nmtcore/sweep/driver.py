@@ -111,24 +111,9 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     t0 = time.perf_counter()
     settings = resolve_settings(settings)
     exp_dir = join(settings.storage, settings.name)
-    state_path = Path(exp_dir) / STATE_FILE
-    state: dict[str, Any] | None = None
-    if settings.resume:
-        if is_uri(settings.storage) or not state_path.is_file():
-            raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
-        state = json.loads(state_path.read_text())
-        if state["space"] != space.name:
-            raise SweepError(f"sweep {settings.name!r} ran space {state['space']}, not {space.name}")
-        base = ExperimentConfig.from_dict(state["base"])  # the sweep continues with the config it started with
-        settings = replace(settings, seeds=state["seeds"], tracking_uri=state["tracking_uri"])
-        space = space.with_model(state.get("model", space.model))
-    elif state_path.exists() or (not is_uri(settings.storage) and (Path(exp_dir) / "tuner.pkl").exists()):
-        raise SweepError(f"sweep {settings.name!r} already exists at {exp_dir}: pass --resume to continue it "
-                         "or --name to start another")
+    state, space, base, settings = _resumed(space, base, settings, exp_dir)
     validate_space(space, base, settings.seeds)
-    model = space.model or base.model.name
     worker_env = settings.worker_env()  # the processes that train: the baseline task and the trials' workers
-
     started_ray = not ray_backend.ray_is_running()
     dashboard_url = ray_backend.init_ray(
         settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
@@ -139,105 +124,156 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             ray_backend.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints = prepare_shared(base, space)
-        trial_bytes = trial_memory_bytes(space, base, footprints)
-        estimated = None
-        if settings.estimate and state is None:
-            try:  # what the rest will cost: a few probe updates of every distinct model, here
-                estimated = cost.dry_run(space, base, settings, baseline=baseline, progress=lambda line: None,
-                                         shared_s=time.perf_counter() - t0)
-                print("\n".join(estimated.lines()), flush=True)
-            except Exception as e:  # noqa: BLE001 - an estimate is advice; the sweep itself is not at stake
-                logging.getLogger("nmtcore.sweep").warning("no cost estimate: %s: %s", type(e).__name__, e)
+        estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and state is None else None
         made = None
         if state is None and space.protocol is not None and space.protocol.warm_start:
             made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
                                                     env=worker_env, tracking_uri=settings.tracking_uri,
                                                     used_by=settings.name)
             base = base.with_overrides({"train.init_from": str(made.path)})
-        tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
-                "nmtcore.space": space.name, "nmtcore.model": model,
-                "nmtcore.varied_keys": ",".join(space.varied_keys), "nmtcore.search": describe_search(space, settings),
-                "nmtcore.space_json": json.dumps(space.describe(), default=repr),
-                "nmtcore.test_split": base.data.test_splits[0] if base.data.test_splits else "",
-                "nmtcore.test_splits": ",".join(base.data.test_splits),
-                "nmtcore.experiment_path": exp_dir,
-                "nmtcore.protocol": describe_protocol(space, made, base)}
-        if made is not None:
-            tags.update({BASELINE_KEY_TAG: made.key, "nmtcore.baseline_run_id": made.meta["mlflow_run_id"],
-                         "nmtcore.baseline_converged": made.converged,
-                         "nmtcore.baseline_valid_losses": json.dumps(made.meta["valid_losses"])})
-        if state is not None:
-            parent = tracking.Tracker(settings.tracking_uri, run_id=state["parent_run_id"], tags=tags)
-        else:
-            parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
-                                      tags=tracking.provenance_tags({**tags, **{f"nmtcore.checksum.{k}": v
-                                                                               for k, v in data.items()}}))
-            parent.log_config(base)
-            parent.log_params({f"sweep.{k}": v for k, v in asdict(settings).items()
-                               if k not in ("resume", "verbose") and v is not None})
-            parent.log_dict(space.describe(), "search_space.json")
-            if estimated is not None:
-                parent.log_dict(estimated.to_dict(), "estimate.json")
-            if not is_uri(settings.storage):
-                Path(exp_dir).mkdir(parents=True, exist_ok=True)
-                state_path.write_text(json.dumps({"space": space.name, "model": model, "parent_run_id": parent.run_id,
-                                                  "tracking_uri": parent.tracking_uri, "seeds": settings.seeds,
-                                                  "base": base.to_dict()}, indent=1))
-        workers = settings.workers_per_trial
-        # A one-worker CPU trial trains in its Tune actor where that actor starts on the trials' allocator (Ray was
-        # started here with its preload, or needs none); else in a Train worker, whose start takes the preload.
-        one_cpu_worker = workers == 1 and not settings.gpus_per_trial
-        in_actor = settings.trial_in_actor and one_cpu_worker
-        if in_actor and not ray_backend.workers_have(worker_env):
-            logging.getLogger("nmtcore.sweep").info(
-                "trials train in Ray Train workers: this Ray connection's workers do not preload %s",
-                worker_env.get("LD_PRELOAD"))
-            in_actor = False
-        ctx = ray_backend.SweepContext(
-            name=settings.name, space=space, base=base, base_seed=base.train.seed,
-            tracking_uri=parent.tracking_uri, parent_run_id=parent.run_id,
-            train_storage=join(exp_dir, "train_runs"), scratch_dir=settings.scratch_dir or "",
-            workers=workers, cpus_per_worker=settings.cpus_per_trial / workers,
-            gpus_per_worker=settings.gpus_per_trial / workers,
-            threads_per_worker=max(1, int(settings.cpus_per_trial // workers)),
-            controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
-            test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
-            bert_footprints=footprints, trial_memory_bytes=trial_bytes,
-            borrow_idle_cpus=settings.borrow_idle_cpus and one_cpu_worker,
-            borrow_check_s=settings.borrow_check_s, worker_env=worker_env,
-            in_actor=in_actor)
-
-        interrupted = True
-        report_files: list[str] = []
-        with parent:
-            saved: list[Any] = []
-            leaked = 0
-            for cells, exp in phases(space, exp_dir):
-                outcome = ray_backend.run_tune(ctx, settings, exp, base.train.max_epochs, restore=state is not None,
-                                               cells=cells, on_trial_end=on_trial_end,
-                                               before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
-                saved += outcome.trials
-                leaked += outcome.leaked_removed
-            interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)
-                           or any(t.status not in ("TERMINATED", "ERROR") for t in saved))
-            trials = trial_records(saved, space, base.train.seed, parent.run_id, parent.tracking_uri)
-            end_orphans(parent.run_id, parent.tracking_uri, interrupted)
-            if interrupted:
-                parent.set_tags({tracking.FAILURE_REASON_TAG: "sweep interrupted; continue it with --resume"})
-            elif settings.report_dir:
-                report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
-                                                            settings.report_dir, log=True)]
-                _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
-            if leaked:
-                parent.set_tags({"nmtcore.leaked_placement_groups_removed": leaked})
-            if interrupted:
-                parent.end("KILLED")
+        parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
+        ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env)
+        interrupted, trials, report_files = _run_trials(ctx, space, base, settings, parent, exp_dir, state,
+                                                       on_trial_end, dashboard_url)
     finally:
         if started_ray:
             ray_backend.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
     return SweepResult(name=settings.name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
                        experiment_path=exp_dir, interrupted=interrupted, trials=trials, report_files=report_files,
                        dashboard_url=dashboard_url, wall_s=time.perf_counter() - t0)
+
+
+def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
+             exp_dir: str) -> tuple[dict[str, Any] | None, SearchSpace, ExperimentConfig, SweepSettings]:
+    """A resumed sweep's saved state, with the space, base config and settings it started with (``None`` and
+    the arguments for a new sweep); refuses a resume with nothing to resume and a new sweep whose name is taken."""
+    state_path = Path(exp_dir) / STATE_FILE
+    if settings.resume:
+        if is_uri(settings.storage) or not state_path.is_file():
+            raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
+        state = json.loads(state_path.read_text())
+        if state["space"] != space.name:
+            raise SweepError(f"sweep {settings.name!r} ran space {state['space']}, not {space.name}")
+        base = ExperimentConfig.from_dict(state["base"])  # the sweep continues with the config it started with
+        settings = replace(settings, seeds=state["seeds"], tracking_uri=state["tracking_uri"])
+        return state, space.with_model(state.get("model", space.model)), base, settings
+    if state_path.exists() or (not is_uri(settings.storage) and (Path(exp_dir) / "tuner.pkl").exists()):
+        raise SweepError(f"sweep {settings.name!r} already exists at {exp_dir}: pass --resume to continue it "
+                         "or --name to start another")
+    return None, space, base, settings
+
+
+def _estimate(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
+              baseline: ExperimentConfig | None, t0: float) -> cost.Estimate | None:
+    """What the baseline and the trials will cost here (:func:`nmtcore.sweep.cost.dry_run`), printed; None if it
+    could not be measured (an estimate is advice: the sweep goes on)."""
+    try:
+        estimated = cost.dry_run(space, base, settings, baseline=baseline, progress=lambda line: None,
+                                 shared_s=time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - the sweep itself is not at stake
+        logging.getLogger("nmtcore.sweep").warning("no cost estimate: %s: %s", type(e).__name__, e)
+        return None
+    print("\n".join(estimated.lines()), flush=True)
+    return estimated
+
+
+def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, state: dict[str, Any] | None,
+                 exp_dir: str, data: Mapping[str, str], made: Any, estimated: cost.Estimate | None) -> tracking.Tracker:
+    """The sweep's MLflow parent run, tagged with what it studies and how: created (with the base config, the
+    settings, the space, the estimate, and the state file a resume reads) or, resuming, re-attached."""
+    model = space.model or base.model.name
+    tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
+            "nmtcore.space": space.name, "nmtcore.model": model,
+            "nmtcore.varied_keys": ",".join(space.varied_keys), "nmtcore.search": describe_search(space, settings),
+            "nmtcore.space_json": json.dumps(space.describe(), default=repr),
+            "nmtcore.test_split": base.data.test_splits[0] if base.data.test_splits else "",
+            "nmtcore.test_splits": ",".join(base.data.test_splits),
+            "nmtcore.experiment_path": exp_dir,
+            "nmtcore.protocol": describe_protocol(space, made, base)}
+    if made is not None:
+        tags.update({BASELINE_KEY_TAG: made.key, "nmtcore.baseline_run_id": made.meta["mlflow_run_id"],
+                     "nmtcore.baseline_converged": made.converged,
+                     "nmtcore.baseline_valid_losses": json.dumps(made.meta["valid_losses"])})
+    if state is not None:
+        return tracking.Tracker(settings.tracking_uri, run_id=state["parent_run_id"], tags=tags)
+    parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
+                              tags=tracking.provenance_tags({**tags, **{f"nmtcore.checksum.{k}": v
+                                                                       for k, v in data.items()}}))
+    parent.log_config(base)
+    parent.log_params({f"sweep.{k}": v for k, v in asdict(settings).items()
+                       if k not in ("resume", "verbose") and v is not None})
+    parent.log_dict(space.describe(), "search_space.json")
+    if estimated is not None:
+        parent.log_dict(estimated.to_dict(), "estimate.json")
+    if not is_uri(settings.storage):
+        Path(exp_dir).mkdir(parents=True, exist_ok=True)
+        (Path(exp_dir) / STATE_FILE).write_text(json.dumps(
+            {"space": space.name, "model": model, "parent_run_id": parent.run_id, "tracking_uri": parent.tracking_uri,
+             "seeds": settings.seeds, "base": base.to_dict()}, indent=1))
+    return parent
+
+
+def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, parent: tracking.Tracker,
+             exp_dir: str, footprints: Mapping[str, BertFootprint], trial_callbacks: Sequence[Callback],
+             worker_env: Mapping[str, str]) -> ray_backend.SweepContext:
+    """What every trial is launched with (:class:`~nmtcore.sweep.ray_backend.SweepContext`)."""
+    workers = settings.workers_per_trial
+    # A one-worker CPU trial trains in its Tune actor where that actor starts on the trials' allocator (Ray was
+    # started here with its preload, or needs none); else in a Train worker, whose start takes the preload.
+    one_cpu_worker = workers == 1 and not settings.gpus_per_trial
+    in_actor = settings.trial_in_actor and one_cpu_worker
+    if in_actor and not ray_backend.workers_have(worker_env):
+        logging.getLogger("nmtcore.sweep").info(
+            "trials train in Ray Train workers: this Ray connection's workers do not preload %s",
+            worker_env.get("LD_PRELOAD"))
+        in_actor = False
+    return ray_backend.SweepContext(
+        name=settings.name, space=space, base=base, base_seed=base.train.seed,
+        tracking_uri=parent.tracking_uri, parent_run_id=parent.run_id,
+        train_storage=join(exp_dir, "train_runs"), scratch_dir=settings.scratch_dir or "",
+        workers=workers, cpus_per_worker=settings.cpus_per_trial / workers,
+        gpus_per_worker=settings.gpus_per_trial / workers,
+        threads_per_worker=max(1, int(settings.cpus_per_trial // workers)),
+        controller_failure_limit=settings.controller_failure_limit, metric=space.metric,
+        test_split=base.data.test_splits[0] if base.data.test_splits else "", trial_callbacks=tuple(trial_callbacks),
+        bert_footprints=dict(footprints), trial_memory_bytes=trial_memory_bytes(space, base, footprints),
+        borrow_idle_cpus=settings.borrow_idle_cpus and one_cpu_worker,
+        borrow_check_s=settings.borrow_check_s, worker_env=dict(worker_env),
+        in_actor=in_actor)
+
+
+def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
+                parent: tracking.Tracker, exp_dir: str, state: dict[str, Any] | None,
+                on_trial_end: Callable[[dict[str, Any]], None] | None,
+                dashboard_url: str | None) -> tuple[bool, list[TrialRecord], list[str]]:
+    """Every Tune run of the sweep (:func:`phases`), then its bookkeeping: orphaned child runs ended, the
+    parent tagged interrupted (KILLED) or the report made. Returns (interrupted, the trials, the report files)."""
+    interrupted = True
+    report_files: list[str] = []
+    with parent:
+        saved: list[Any] = []
+        leaked = 0
+        for cells, exp in phases(space, exp_dir):
+            outcome = ray_backend.run_tune(ctx, settings, exp, base.train.max_epochs, restore=state is not None,
+                                           cells=cells, on_trial_end=on_trial_end,
+                                           before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
+            saved += outcome.trials
+            leaked += outcome.leaked_removed
+        interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)
+                       or any(t.status not in ("TERMINATED", "ERROR") for t in saved))
+        trials = trial_records(saved, space, base.train.seed, parent.run_id, parent.tracking_uri)
+        end_orphans(parent.run_id, parent.tracking_uri, interrupted)
+        if interrupted:
+            parent.set_tags({tracking.FAILURE_REASON_TAG: "sweep interrupted; continue it with --resume"})
+        elif settings.report_dir:
+            report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
+                                                        settings.report_dir, log=True)]
+            _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
+        if leaked:
+            parent.set_tags({"nmtcore.leaked_placement_groups_removed": leaked})
+        if interrupted:
+            parent.end("KILLED")
+    return interrupted, trials, report_files
 
 
 def phases(space: SearchSpace, exp_dir: str) -> list[tuple[bool, str]]:
