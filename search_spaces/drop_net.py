@@ -20,6 +20,15 @@ SPACES = {
         budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY),
         citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net",
         description="BERT-fused with p_net in {0, 0.5, 1} against the control (the cause experiment)"),
+    # The original code gives the branch drop-net skips a zero gradient (it computes both and weights one by 0),
+    # so Adam keeps moving it on its momentum; ours skipped it by default. Does that cost BLEU?
+    "momentum": SearchSpace(
+        STUDY, "momentum", MODEL, arms={"skipped branch: no gradient": {"model.drop_net_zero_grads": False},
+                                        "skipped branch: zero gradient (original)": {"model.drop_net_zero_grads": True}},
+        fixed={KEY: 1.0}, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS, defaults=DEFAULTS,
+        citation="Zhu et al. 2020, Incorporating BERT into NMT, drop-net; bert-nmt/bert-nmt",
+        description="BERT-fused at p_net 1 with the skipped branch given no gradient or a zero gradient, against "
+                    "the control"),
     "optuna": SearchSpace(
         STUDY, "optuna", MODEL, params={KEY: uniform(0.0, 1.0)}, num_samples=12, early_stopping=True,
         protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY),
