@@ -32,6 +32,8 @@ def _experiment_config(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``nmtcore train``: one experiment (preset or YAML, overrides), resumed from its checkpoints unless
+    ``--no-resume``, tracked in MLflow; prints its summary as JSON."""
     from nmtcore import tracking
     from nmtcore.engine import run_experiment
     from nmtcore.tracking.callback import TrackingCallback
@@ -56,6 +58,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    """``nmtcore translate``: a checkpoint translates a file or stdin (beam or greedy); the output is written
+    whole at the end, to ``--output`` atomically or to stdout."""
     from nmtcore.files import atomic_write_bytes
     from nmtcore.data import decode_lines, read_lines
     from nmtcore.decoding import load_translator
@@ -76,6 +80,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    """``nmtcore evaluate``: sacreBLEU and chrF of a hypothesis file against references, with signatures."""
     from nmtcore import bleu
     from nmtcore.data import DataError, read_lines
 
@@ -90,6 +95,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``nmtcore report``: a sweep's tables and figures rebuilt from MLflow alone, written to a folder."""
     from nmtcore import tracking
     from nmtcore.sweep import report
 
@@ -105,6 +111,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bert_pretrain(args: argparse.Namespace) -> int:
+    """``nmtcore bert-pretrain``: masked-LM pretraining of a BERT of any size on one side of a corpus, cached."""
     from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
     from nmtcore.bert.pretrain import pretrain_bert
     from nmtcore.config import DataConfig
@@ -127,6 +134,7 @@ def _bert_data(args: argparse.Namespace) -> Any:
 
 
 def cmd_baselines(args: argparse.Namespace) -> int:
+    """``nmtcore baselines``: the shared baselines in the store, one line each."""
     from nmtcore.config import DataConfig
     from nmtcore.sweep.baseline import stored_baselines
 
@@ -141,6 +149,8 @@ def cmd_baselines(args: argparse.Namespace) -> int:
 
 
 def cmd_bert_build(args: argparse.Namespace) -> int:
+    """``nmtcore bert-build``: make (or find) a BERT by name, print where and what it is (and its quality
+    figure with ``--quality``)."""
     from dataclasses import asdict
 
     import torch
@@ -164,6 +174,7 @@ def cmd_bert_build(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``nmtcore`` command line: one subcommand per ``cmd_*`` function."""
     p = argparse.ArgumentParser(prog="nmtcore", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
@@ -238,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``nmtcore`` with ``argv`` (default: the process's); returns the exit status: 0, 2 for bad input
+    (one line), 128 + the signal's number when SIGTERM or SIGINT stopped it (one line)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

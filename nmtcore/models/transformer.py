@@ -61,6 +61,7 @@ class Transformer(NMTModel):
 
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
+        """Scaled token embeddings plus sinusoidal positions from ``offset`` (incremental decoding), with dropout."""
         x = table(tokens) * self.embed_scale + self.positions(tokens.size(1), offset)  # (B, T, C)
         return dropout(x, self.cfg.dropout, self.training)
 
@@ -86,18 +87,22 @@ class Transformer(NMTModel):
 
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
+        """The last encoder layer's output and the source padding mask."""
         return EncoderOut(out=self.run_encoder(batch)[-1], mask=batch.src_mask)
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        """An empty incremental state: one layer cache per decoder layer, at step 0."""
         return DecoderState.empty(len(self.decoder_layers))
 
     def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        """Logits (B, V) of the next token after the previous ones (B, 1); the layer caches grow in place."""
         h = self.run_decoder(prev_tokens, enc_out, state)  # (B, 1, C)
         state.step += prev_tokens.size(1)
         return self.output_logits(h[:, -1])  # (B, V)
 
     @property
     def has_kd_teacher(self) -> bool:
+        """Whether the model carries a BERT teacher for knowledge distillation (``train.kd_alpha < 1``)."""
         return self.kd is not None
 
     def forward(self, batch: "Batch") -> ModelOutput:

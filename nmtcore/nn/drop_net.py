@@ -41,6 +41,8 @@ class DropNet(nn.Module):
         return u
 
     def weights(self) -> tuple[float, float]:
+        """This layer's branch weights for one forward: a fresh draw of Eq. 3 in training, the inference weights
+        in eval mode."""
         if not self.training:
             return self.inference_weights  # E_U[Eq. 3] = Eq. 1 unless a diagnostic switched a branch off
         u = self.draw()

@@ -358,6 +358,8 @@ class CrossAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """Position-wise FFN: fc1, activation, activation dropout, fc2."""
+
     def __init__(self, d_model: int, ffn_dim: int, activation: str, activation_dropout: float) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn_dim)
@@ -387,6 +389,7 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def after(self, residual: Tensor, y: Tensor) -> Tensor:
+        """``residual + dropout(y)``, then the layer norm in post-norm (pre-norm normed before the sublayer)."""
         x = residual + dropout(y, self.dropout, self.training)
         return x if self.pre_norm else self.norm(x)
 
