@@ -269,7 +269,7 @@ def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnos
     tags = {lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
             "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})}
     if baseline_converged is not None:
-        tags["nmtcore.baseline_converged"] = str(baseline_converged).lower()
+        tags["nmtcore.baseline_converged"] = baseline_converged  # as the driver writes it: str(bool), "True"
     parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags=tags)
     add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=([5.0, 4.0, 4.1], [10.0, 20.0, 19.0]))
     add_trial(parent, tmp_path, 1, 1, "bert_fused", 0.5, {"arm": "bert_fused"}, stopped_by=arm_stopped_by,

@@ -174,10 +174,12 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
         if g.still_improving:
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): the budget stopped it before it converged")
-    if parent.tags.get("nmtcore.baseline_converged") == "false":
+    # Written as str(bool) ("True"/"False") by the driver; read case-blind, as older stores may hold either.
+    converged = parent.tags.get("nmtcore.baseline_converged")
+    converged = None if converged is None else converged.strip().lower() == "true"
+    if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
-    converged = parent.tags.get("nmtcore.baseline_converged")
     estimate = None
     with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
         estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
@@ -185,7 +187,7 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
                        study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, protocol=parent.tags.get("nmtcore.protocol", ""), groups=groups,
                        reference=reference, warnings=warnings,
-                       baseline_converged=None if converged is None else converged == "true", estimate=estimate)
+                       baseline_converged=converged, estimate=estimate)
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
