@@ -87,8 +87,17 @@ def test_the_control_differs_from_a_bert_arm_only_in_bert_keys():
     assert cells[0].control and cells[0].label == "control" and not any(c.control for c in cells[1:])
     control = base.with_overrides(cells[0].overrides).flat()
     arm = base.with_overrides(cells[-1].overrides).flat()
-    differ = {k for k in set(control) | set(arm) if control.get(k, "absent") != arm.get(k, "absent")}
-    assert differ and all(k == "model.name" or k.startswith("model.bert.") or k == "model.p_net" for k in differ)
+    import dataclasses
+
+    from nmtcore.config import BertFusedConfig, ModelConfig
+
+    shared = {k for k in set(control) & set(arm) if control[k] != arm[k]}
+    assert shared and all(k == "model.name" or k.startswith("model.bert.") for k in shared), shared
+    # What the arm has and the control lacks is the fused model's own knobs (p_net, ...), nothing else.
+    own = {f"model.{f.name}" for f in dataclasses.fields(BertFusedConfig)} - \
+        {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
+    assert set(arm) - set(control) == own and "model.p_net" in own, set(arm) - set(control)
+    assert not set(control) - set(arm)
     assert control["model.name"] == "transformer" and not control["model.bert.name"]
 
 
