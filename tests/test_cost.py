@@ -13,7 +13,8 @@ import torch
 
 from nmtcore import tracking
 from nmtcore.engine import build_trainer
-from nmtcore.sweep.cost import (RunCost, Speed, checkpointed_epochs, duration, epoch_tokens, estimate,
+from nmtcore.sweep.baseline import checkpointed_epochs
+from nmtcore.sweep.cost import (RunCost, Speed, duration, epoch_tokens, estimate,
                                 expected_epochs, makespan, probe, run_cost, shape_key)
 from nmtcore.sweep.lifecycle import ROLE_TAG
 from nmtcore.testing.synthetic import tiny_experiment
@@ -133,7 +134,7 @@ def test_checkpointed_epochs_reads_the_last_saved_epoch(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     for name in ("epoch3.pt", "epoch12.pt", "epoch12.pt.sha256", "best.pt"):
         (tmp_path / "checkpoints" / name).write_bytes(b"")
-    assert checkpointed_epochs(tmp_path) == 12
+    assert checkpointed_epochs(tmp_path) == 12  # epoch3.pt has no checksum: not a resume point
 
 
 def test_a_dry_run_prints_every_phase_and_trains_nothing(tmp_path):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nmtcore import tracking
-from nmtcore.checkpoint import save_checkpoint
+from nmtcore.checkpoint import epoch_checkpoints, save_checkpoint
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.engine import Callback, RunSummary, Trainer, run_experiment
@@ -281,6 +281,12 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
     return new_key
 
 
+def checkpointed_epochs(run_dir: Path) -> int:
+    """The last epoch an interrupted training under ``run_dir`` saved whole (with its checksum), or 0."""
+    saved = epoch_checkpoints(run_dir / "checkpoints")
+    return int(saved[-1].stem[len("epoch"):]) if saved else 0
+
+
 def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
     """Every baseline directory under ``root``: its key, whether it finished (and converged), the epochs its
     checkpoints reached, the keys adopted onto it."""
@@ -288,11 +294,10 @@ def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
     root = Path(root)
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []:
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8")) if (d / "meta.json").is_file() else None
-        epochs = [int(p.stem[5:]) for p in (d / "run" / "checkpoints").glob("epoch*.pt") if p.stem[5:].isdigit()]
         adopted = [json.loads(line)["key"] for line in (d / ADOPTIONS_FILE).read_text(encoding="utf-8").splitlines()
                    if line.strip()] if (d / ADOPTIONS_FILE).is_file() else []
         out.append({"key": d.name, "finished": meta is not None, "converged": bool(meta and meta.get("converged")),
-                    "epochs": meta["fit"]["epochs"] if meta else max(epochs, default=0), "adopted_as": adopted,
+                    "epochs": meta["fit"]["epochs"] if meta else checkpointed_epochs(d / "run"), "adopted_as": adopted,
                     "created": meta.get("created") if meta else None})
     return out
 

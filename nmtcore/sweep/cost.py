@@ -172,7 +172,7 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) 
     t = cfg.train
     if not t.patience:
         return float(t.max_epochs), "the budget's fixed epochs"
-    epochs = [r for r in converged_epochs(cfg, role, tracking_uri)]
+    epochs = converged_epochs(cfg, role, tracking_uri)
     if epochs:
         return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {role} run"
                                                   f"{'s' * (len(epochs) > 1)} of this kind in the store")
@@ -304,12 +304,6 @@ def missing_features(cfg: ExperimentConfig, data: PreparedData) -> int:
                if split.bert is not None and cache.load(layer.features_key(split.bert), len(split.bert)) is None)
 
 
-def checkpointed_epochs(run_dir: Path) -> int:
-    """The last epoch an interrupted training under ``run_dir`` saved (``checkpoints/epoch<N>.pt``), or 0."""
-    epochs = [int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("epoch*.pt") if p.stem[5:].isdigit()]
-    return max(epochs, default=0)
-
-
 def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None = None,
             progress: Any = print, shared_s: float | None = None) -> Estimate:
     """What a fresh run of ``space`` (``run_sweep``'s arguments) would cost here: the BERTs are made if missing
@@ -321,7 +315,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
 
     from nmtcore.bert import ensure_bert
     from nmtcore.data import prepare_data
-    from nmtcore.sweep.baseline import baseline_key, default_root, find_baseline
+    from nmtcore.sweep.baseline import baseline_key, checkpointed_epochs, default_root, find_baseline
     from nmtcore.sweep.plan import (SEED_KEY, baseline_config, config_key, distinct_berts, trial_overrides,
                                     validate_space)
     from nmtcore.sweep.space import CELL_KEY
