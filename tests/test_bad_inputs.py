@@ -297,6 +297,24 @@ def test_train_bad_input(args: Args, culprits: Callable, starts_run: bool, world
         assert runs == []
 
 
+def test_a_diverging_run_ends_with_one_line_and_a_failed_run(world: World, cli, tmp_path: Path) -> None:
+    """Issue 53: a learning rate that blows the loss up ended in an OverflowError traceback (the validation
+    perplexity) or a 20-line NonFiniteLossError one. Now: exit 1, one line saying where, which figure and what
+    to try, the MLflow run FAILED with that line as its reason."""
+    r = cli("train", "--config", world.config, "--tracking-uri", world.uri, "--experiment", "diverges",
+            "--output-dir", tmp_path / "run", "--set", "train.lr=50", "--set", "train.warmup_updates=1")
+    # (--set given twice: both count; the second replaced the first before)
+    assert r.code == 1, r.err[-3000:]
+    lines = [line for line in r.err.splitlines() if not LOG_RECORD.match(line)]
+    assert len(lines) == 1 and re.fullmatch(
+        PREFIX + r"training diverged at update \d+ \(epoch 1\): the training loss \S+ bits/token: its perplexity "
+        r"overflows; no checkpoint had been written; try a lower train.lr \(now 50\), a longer "
+        r"train.warmup_updates \(now 1\) or train.clip_norm \(now 0\)", lines[0]), r.err[-3000:]
+    [run] = world.runs("diverges")
+    assert run.status == "FAILED"
+    assert run.tags[tracking.FAILURE_REASON_TAG] == "NonFiniteLossError: " + lines[0].removeprefix(PREFIX)
+
+
 TRANSLATE_CASES: list[tuple[str, Args, Callable[[World, Path], list[str]]]] = [
     ("checkpoint-without-config", lambda w, t: ["--checkpoint", save_checkpoint(t / "bare.pt", {"weights": {}})],
      lambda w, t: [f"{t / 'bare.pt'}: not a model checkpoint of this project (no config, vocab, model)"]),

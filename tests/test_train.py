@@ -147,8 +147,42 @@ def test_non_finite_loss_stops_training(tmp_path):
     trainer = make_trainer(cfg)
     with torch.no_grad():
         trainer.model.src_embed.weight.fill_(float("nan"))
-    with pytest.raises(NonFiniteLossError, match="non-finite training loss"):
+    with pytest.raises(NonFiniteLossError, match=r"diverged at update 1 \(epoch 1\): the training loss is not finite"):
         trainer.fit()
+
+
+def test_a_finite_loss_past_what_its_perplexity_holds_is_divergence(tmp_path):
+    """A learning rate of 50 blows the loss up to ~1e4-1e5 bits/token within a few updates: finite, but its
+    perplexity overflows (the validation perplexity crashed with OverflowError before). Training stops there."""
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1, "train.lr": 50.0, "train.warmup_updates": 1})
+    trainer = make_trainer(cfg)
+    with pytest.raises(NonFiniteLossError, match=r"training loss \S+ bits/token: its perplexity overflows; no "
+                                                 r"checkpoint had been written; try a lower train.lr \(now 50\)") as e:
+        trainer.fit()
+    assert e.value.figure == "training loss" and e.value.value > 1023 and math.isfinite(e.value.value)
+    assert trainer.state.num_updates == e.value.update - 1  # the diverged update was not applied
+
+
+class BlowUpAfterEpoch(Callback):
+    """After epoch 1 (its checkpoint written), scale the output projection so every later loss overflows."""
+
+    def on_epoch_end(self, trainer, epoch, metrics, checkpoint):
+        if epoch == 1:
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1e4)
+
+
+def test_divergence_in_a_later_epoch_keeps_the_checkpoints_before_it(tmp_path):
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 3})
+    trainer = make_trainer(cfg, callbacks=[BlowUpAfterEpoch()])
+    with pytest.raises(NonFiniteLossError, match=r"\(epoch 2\).*the checkpoints up to epoch 1 are kept") as e:
+        trainer.fit()
+    assert e.value.epoch == 2
+    saved = epoch_checkpoints(trainer.save_dir)
+    assert [c.name for c in saved] == ["epoch1.pt"]
+    state = load_checkpoint(saved[0])["model"]
+    assert all(torch.isfinite(v).all() and v.abs().max() < 1e3 for v in state.values() if v.is_floating_point())
 
 
 def test_early_stopping_on_validation_loss(tmp_path):

@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one experiment, decode its test sets, log to MLflow")
     t.add_argument("--preset", default="multi30k_small", choices=sorted(PRESETS))
     t.add_argument("--config", help="YAML experiment config (instead of --preset)")
-    t.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-3")
+    t.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. train.lr=1e-3 (--set may be given more than once)")
     t.add_argument("--data-dir", help="directory holding the corpora (default: $NMTCORE_DATA)")
     t.add_argument("--output-dir")
     t.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--checkpoint", required=True)
     tr.add_argument("--input", default="-")
     tr.add_argument("--output", default="-")
-    tr.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="decode overrides, e.g. decode.beam=1")
+    tr.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
+                    help="decode overrides, e.g. decode.beam=1 (--set may be given more than once)")
     tr.set_defaults(func=cmd_translate)
 
     ev = sub.add_parser("evaluate", help="sacreBLEU and chrF of a hypothesis file against references")
@@ -250,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nmtcore`` with ``argv`` (default: the process's); returns the exit status: 0, 2 for bad input
-    (one line), 128 + the signal's number when SIGTERM or SIGINT stopped it (one line)."""
+    (one line), 1 for a training run that diverged (one line: where, which figure, what to try), 128 + the
+    signal's number when SIGTERM or SIGINT stopped it (one line)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -267,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the engine's NonFiniteLossError: a run that diverged, its message one line
+        print(f"nmtcore: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         kept = ("the checkpoints written so far are kept: the same command resumes from the last one"

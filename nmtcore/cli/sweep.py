@@ -44,9 +44,9 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
                                      "to convergence where the study trains so; quick: a short fixed stage)")
     p.add_argument("--preset", default="multi30k_small", help="base experiment preset")
     p.add_argument("--config", help="base experiment YAML (instead of --preset)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="base config overrides (win over the study's defaults; the shared baseline's too)")
-    p.add_argument("--arms-set", nargs="*", default=[], metavar="KEY=VALUE",
+    p.add_argument("--arms-set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="overrides of the arms and the control only (e.g. train.max_epochs=1: a shorter second "
                         "stage), not of the shared baseline they warm-start from")
     p.add_argument("--adopt-baseline", metavar="OLD_KEY",
@@ -98,7 +98,7 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
     protocol's baseline model without BERT."""
     from nmtcore.config import ExperimentConfig, parse_overrides, preset
 
-    user = parse_overrides(args.set)
+    user = parse_overrides(args.set or [])
     arms = parse_overrides(getattr(args, "arms_set", None) or [])
     smoke: dict[str, str] = {}
     if args.smoke_test:

@@ -62,8 +62,24 @@ from nmtcore.models import NMTModel
 log = logging.getLogger("nmtcore.engine")
 
 
+# A loss (bits per token) past which its perplexity 2**loss is no float64 (2**1024 overflows): a run this far
+# gone has diverged, finite or not. Not a tuned threshold: the figure the run reports stops existing.
+DIVERGED_BITS = 1023.0
+
+
 class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite; training stops rather than corrupting weights."""
+    """Training diverged: a training or validation loss became NaN, infinite, or too large for its perplexity
+    (:data:`DIVERGED_BITS`). Raised before the optimizer step, so the weights and every checkpoint written
+    before it are as they were. Its message is one line: where, which figure, and what to try."""
+
+    def __init__(self, message: str, *, update: int = 0, epoch: int = 0, figure: str = "", value: float = math.nan):
+        super().__init__(message)
+        self.update, self.epoch, self.figure, self.value = update, epoch, figure, value
+
+
+def diverged(value: float) -> bool:
+    """Whether a per-token loss in bits says the run diverged: not finite, or past :data:`DIVERGED_BITS`."""
+    return not math.isfinite(value) or value > DIVERGED_BITS
 
 
 class Callback:
@@ -242,9 +258,10 @@ class Trainer:
             sums += torch.stack([lo.loss.detach(), lo.nll.detach()]).double()
             n_tokens += lo.n_tokens
         loss_sum, nll_sum = sums.tolist()
-        if not math.isfinite(loss_sum):
+        if diverged(loss_sum / max(n_tokens, 1) / math.log(2)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"non-finite training loss ({loss_sum}) at update {self.state.num_updates + 1}")
+            raise self.divergence("training loss", loss_sum / max(n_tokens, 1) / math.log(2),
+                                  self.state.num_updates + 1)
         if self.world_size > 1:
             # DDP averages gradients over ranks; rescale so the update is (Σ loss) / (Σ tokens).
             total = torch.tensor([n_tokens], dtype=torch.float64, device=self.device)
@@ -334,7 +351,11 @@ class Trainer:
                 masked += int(out.knowledge_mask.sum().item())
                 real += int((~batch.src_mask).sum().item())
         nll = nll_sum / max(n_tokens, 1) / math.log(2)
-        metrics = {"valid_loss": loss_sum / max(n_tokens, 1) / math.log(2), "valid_nll": nll, "valid_ppl": 2**nll}
+        valid_loss = loss_sum / max(n_tokens, 1) / math.log(2)
+        for figure, value in (("validation loss", valid_loss), ("validation NLL", nll)):
+            if diverged(value):
+                raise self.divergence(figure, value, self.state.num_updates)
+        metrics = {"valid_loss": valid_loss, "valid_nll": nll, "valid_ppl": 2**nll}
         if has_mask:
             metrics["valid_masked_fraction"] = masked / max(real, 1)
         if self.cfg.train.valid_bleu:
@@ -400,6 +421,18 @@ class Trainer:
                                 best_score=ts.get("best_score", ts["best_valid_loss"]
                                                   if self.stop_rule.metric == "valid_loss" else math.nan))
         torch.set_rng_state(ckpt["rng"]["torch"])
+
+    def divergence(self, figure: str, value: float, update: int) -> NonFiniteLossError:
+        """The one-line error for a diverged run: which update, which figure and value, what is kept, what to
+        try (the settings that most often cause it, with their values in this run)."""
+        tc = self.cfg.train
+        how = "is not finite" if not math.isfinite(value) else f"{value:.4g} bits/token: its perplexity overflows"
+        kept = (f"the checkpoints up to epoch {self.state.epoch} are kept" if self.state.epoch
+                else "no checkpoint had been written")
+        message = (f"training diverged at update {update} (epoch {self.state.epoch + 1}): the {figure} {how}; "
+                   f"{kept}; try a lower train.lr (now {tc.lr:g}), a longer train.warmup_updates (now "
+                   f"{tc.warmup_updates}) or train.clip_norm (now {tc.clip_norm:g})")
+        return NonFiniteLossError(message, update=update, epoch=self.state.epoch + 1, figure=figure, value=value)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> "FitResult":
