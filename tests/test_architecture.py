@@ -132,6 +132,34 @@ def test_ray_and_mlflow_each_live_in_one_place():
     assert dynamic == set(), sorted(dynamic)
 
 
+def string_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in ``path``, an f-string by its literal head ("nmtcore.checksum.")."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            out.append((node.lineno, str(node.values[0].value)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.append((node.lineno, node.value))
+    return out
+
+
+def test_every_mlflow_tag_name_lives_in_the_schema_module():
+    """A ``"nmtcore.<name>"`` literal is a tag name unless ``<name>`` is one of the package's modules (a logger's
+    or a function's dotted path): tag names are written in nmtcore.tracking.schema only, so the writers and
+    the readers (report, resume, UI views) share one spelling."""
+    subpackages = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    files = [p for p in MODULES.values() if p != PACKAGE / "tracking" / "schema.py"]
+    files += sorted((REPO / "sweeps").glob("*.py")) + sorted((REPO / "bench").glob("*.py"))
+    files += sorted((REPO / "search_spaces").glob("*.py"))
+    stray = [f"{p.relative_to(REPO)}:{line}: {text[:60]!r}" for p in files for line, text in string_literals(p)
+             if text.startswith("nmtcore.") and (text.split(".")[1].split() or [""])[0] not in subpackages]
+    assert not stray, "tag names outside nmtcore/tracking/schema.py:\n" + "\n".join(stray)
+    from nmtcore.tracking import schema
+
+    names = [v for k, v in vars(schema).items() if k.isupper() and isinstance(v, str) and v.startswith("nmtcore.")]
+    assert len(names) == len(set(names)) > 60  # one constant per tag, none spelled twice
+
+
 def test_one_override_engine():
     """Overrides reach a config only through ExperimentConfig.with_overrides: outside the config package a
     config is built from a plain dict only where one is read back whole (a checkpoint's, a sweep's saved

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, save_checkpoint
 from nmtcore.config import ExperimentConfig
@@ -42,7 +43,7 @@ from nmtcore.tracking.callback import TrackingCallback
 log = logging.getLogger("nmtcore.sweep")
 
 BASELINE_FORMAT = 1  # bump when the store's layout or the key's meaning changes
-KEY_TAG = "nmtcore.baseline_key"
+KEY_TAG = schema.BASELINE_KEY
 # Config keys that change no weight: where things are written, how many threads, logging, decoding.
 NOT_WEIGHTS = ("name", "output_dir", "train.save_dir", "train.num_threads", "train.log_interval",
                "train.valid_bleu", "data.data_dir", "data.cache_dir", "data.download", "data.test_splits",
@@ -193,7 +194,7 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
     t0 = time.perf_counter()
     label = f"baseline {key[:12]}"
     old = tracking.search_runs(f"tags.`{KEY_TAG}` = '{key}'", tracking_uri) if _store_exists(tracking_uri) else []
-    tags = {ROLE_TAG: "baseline", KEY_TAG: key, "nmtcore.model": cfg.model.name}
+    tags = {ROLE_TAG: "baseline", KEY_TAG: key, schema.MODEL: cfg.model.name}
     tracker = (tracking.Tracker(tracking_uri, run_id=old[-1].run_id, tags=tags) if old else
                tracking.Tracker(tracking_uri, experiment=experiment, run_name=f"baseline {cfg.model.name} {key[:8]}",
                                 tags=tags))
@@ -211,7 +212,7 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
                 "test": {k: {"bleu": v.bleu, "chrf": v.chrf} for k, v in summary.test.items()},
                 "wall_s": time.perf_counter() - t0, "mlflow_run_id": tracker.run_id,
                 "tracking_uri": tracker.tracking_uri, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        tracker.set_tags({"nmtcore.converged": meta["converged"]})
+        tracker.set_tags({schema.CONVERGED: meta["converged"]})
     atomic_write_text(home / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
     progress(f"{label}: done in {_minutes(meta['wall_s'])}, {summary.epochs} epochs, valid loss "
              f"{summary.fit.best_valid_loss:.4f}, stopped by {summary.fit.stopped_by}"
@@ -276,7 +277,7 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     if _store_exists(tracking_uri):
         for run in tracking.search_runs(f"tags.`{KEY_TAG}` = '{old_key}'", tracking_uri):
-            tracking.set_run_tags(run.run_id, {KEY_TAG: new_key, "nmtcore.baseline_adopted_from": old_key},
+            tracking.set_run_tags(run.run_id, {KEY_TAG: new_key, schema.BASELINE_ADOPTED_FROM: old_key},
                                   tracking_uri)
     return new_key
 

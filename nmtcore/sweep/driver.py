@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
@@ -182,23 +183,18 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
     """The sweep's MLflow parent run, tagged with what it studies and how: created (with the base config, the
     settings, the space, the estimate, and the state file a resume reads) or, resuming, re-attached."""
     model = space.model or base.model.name
-    tags = {SWEEP_TAG: settings.name, ROLE_TAG: "sweep", "nmtcore.study": space.study,
-            "nmtcore.space": space.name, "nmtcore.model": model,
-            "nmtcore.varied_keys": ",".join(space.varied_keys), "nmtcore.search": describe_search(space, settings),
-            "nmtcore.space_json": json.dumps(space.describe(), default=repr),
-            "nmtcore.test_split": base.data.test_splits[0] if base.data.test_splits else "",
-            "nmtcore.test_splits": ",".join(base.data.test_splits),
-            "nmtcore.experiment_path": exp_dir,
-            "nmtcore.protocol": describe_protocol(space, made, base)}
-    if made is not None:
-        tags.update({BASELINE_KEY_TAG: made.key, "nmtcore.baseline_run_id": made.meta["mlflow_run_id"],
-                     "nmtcore.baseline_converged": made.converged,
-                     "nmtcore.baseline_valid_losses": json.dumps(made.meta["valid_losses"])})
+    baseline = {} if made is None else dict(
+        baseline_key=made.key, baseline_run_id=made.meta["mlflow_run_id"], baseline_converged=made.converged,
+        baseline_valid_losses=tuple(made.meta["valid_losses"]))
+    tags = schema.SweepTags(
+        name=settings.name, study=space.study, space=space.name, model=model, varied_keys=tuple(space.varied_keys),
+        search=describe_search(space, settings), space_json=json.dumps(space.describe(), default=repr),
+        test_splits=tuple(base.data.test_splits), experiment_path=exp_dir,
+        protocol=describe_protocol(space, made, base), **baseline).to_tags()
     if state is not None:
         return tracking.Tracker(settings.tracking_uri, run_id=state["parent_run_id"], tags=tags)
     parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
-                              tags=tracking.provenance_tags({**tags, **{f"nmtcore.checksum.{k}": v
-                                                                       for k, v in data.items()}}))
+                              tags=tracking.provenance_tags({**tags, **{schema.checksum(k): v for k, v in data.items()}}))
     parent.log_config(base)
     parent.log_params({f"sweep.{k}": v for k, v in asdict(settings).items()
                        if k not in ("resume", "verbose") and v is not None})
@@ -270,7 +266,7 @@ def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: Experim
                                                         settings.report_dir, log=True)]
             _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
         if leaked:
-            parent.set_tags({"nmtcore.leaked_placement_groups_removed": leaked})
+            parent.set_tags({schema.LEAKED_PLACEMENT_GROUPS_REMOVED: leaked})
         if interrupted:
             parent.end("KILLED")
     return interrupted, trials, report_files
@@ -362,7 +358,7 @@ def trial_records(trials: list[Any], space: SearchSpace, base_seed: int, parent_
         with contextlib.suppress(Exception):
             run = find_child_run(parent_run_id, key, tracking_uri)
         result = dict(t.last_result or {})
-        nodes = run.tags.get("nmtcore.node_ids", "").split(",") if run is not None else []
+        nodes = run.tags.get(schema.NODE_IDS, "").split(",") if run is not None else []
         out.append(TrialRecord(trial_id=t.trial_id, trial_key=key, status=t.status,
                                run_id=run.run_id if run else None, overrides=overrides,
                                metrics={k: v for k, v in result.items() if isinstance(v, (int, float, str))},

@@ -16,13 +16,13 @@ at the end, the report's table and figures.
 from __future__ import annotations
 
 import enum
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from nmtcore.tracking import schema
 from nmtcore.sweep.space import ARM_KEY
 from nmtcore.tracking import (
     FAILURE_REASON_TAG,
@@ -48,14 +48,10 @@ from nmtcore.tracking.store import (
 )
 from nmtcore.tracking.uri import artifact_src, compare_url, experiment_url, run_url, ui_address
 
-SWEEP_TAG = "nmtcore.sweep"  # the sweep's name, on the parent and on every child
-ROLE_TAG = "nmtcore.role"  # "sweep" or "trial"
-TRIAL_KEY_TAG = "nmtcore.trial_key"
-TRIAL_STATE_TAG = "nmtcore.trial_state"
-FAILURE_KIND_TAG = "nmtcore.failure_kind"  # "nonfinite": deterministic, not worth a retry
-TUNE_STATUS_TAG = "nmtcore.tune_status"
-ARM_TAG = "nmtcore.arm"  # "control", or the arm's name ("L2-H128", "p_net=0.3", an ablation arm's name)
-CONTROL_TAG = "nmtcore.control"  # "true" on the control arm's runs
+# The tag names (nmtcore.tracking.schema owns them), under the names the sweep modules know them by.
+SWEEP_TAG, ROLE_TAG, TRIAL_KEY_TAG, TRIAL_STATE_TAG = schema.SWEEP, schema.ROLE, schema.TRIAL_KEY, schema.TRIAL_STATE
+FAILURE_KIND_TAG, TUNE_STATUS_TAG, ARM_TAG, CONTROL_TAG = (schema.FAILURE_KIND, schema.TUNE_STATUS, schema.ARM,
+                                                           schema.CONTROL)
 
 
 class TrialState(str, enum.Enum):
@@ -231,9 +227,10 @@ def publish_sweep_views(parent_run_id: str, space: Any, tracking_uri: str | os.P
     parent = get_run(parent_run_id, uri)
     sweep = parent.tags[SWEEP_TAG]
     exp = parent.experiment_id
+    recorded = schema.SweepTags.from_tags(parent.tags)
     params, metrics = view_columns(space.varied_keys, any(c.control for c in space.cells()), space.metric,
-                                   parent.tags.get("nmtcore.test_split", ""))
-    splits = [s for s in parent.tags.get("nmtcore.test_splits", "").split(",") if s]
+                                   recorded.test_split)
+    splits = list(recorded.test_splits)
     set_shared_view(exp, view_key(sweep), sweep_view_state(sweep, params, metrics, splits), uri)
     views = _views(uri, exp, parent_run_id, sweep, ui_port)
     tags = get_experiment_tags(exp, uri)
@@ -270,13 +267,12 @@ def _views(uri: str, exp: str, parent_run_id: str, sweep: str, ui_port: int) -> 
 def _parent_note(parent: RunRecord, views: SweepViews, table: str = "", figures: Sequence[str] = (),
                  children: Sequence[str] = ()) -> str:
     """The parent run's description (Markdown; links are routes, so they work on any UI address)."""
-    tags = parent.tags
-    space = json.loads(tags.get("nmtcore.space_json") or "{}")
-    varied = ", ".join(f"`{k}`" for k in tags.get("nmtcore.varied_keys", "").split(",") if k)
+    recorded = schema.SweepTags.from_tags(parent.tags)
+    space = recorded.space_description
+    varied = ", ".join(f"`{k}`" for k in recorded.varied_keys)
     what = (f"Varies {varied or 'nothing'}; trials chosen by `{space.get('metric', '?')}`; tested on "
-            f"`{tags.get('nmtcore.test_split', '')}`. Protocol: {tags.get('nmtcore.protocol', '')}. "
-            f"Search: {tags.get('nmtcore.search', '')}.")
-    lines = [f"**Sweep `{tags.get(SWEEP_TAG, '')}`**: {space.get('description') or tags.get('nmtcore.study', '')}",
+            f"`{recorded.test_split}`. Protocol: {recorded.protocol}. Search: {recorded.search}.")
+    lines = [f"**Sweep `{recorded.name}`**: {space.get('description') or recorded.study}",
              "", what, "",
              f"- [The arms, best test BLEU first]({views.arms}) (columns: the varied keys, test BLEU and chrF)",
              f"- [Charts]({views.charts}): test BLEU against the varied keys, validation curves per epoch"]

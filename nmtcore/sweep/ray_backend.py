@@ -70,6 +70,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import BasicVariantGenerator, Repeater
 from ray.tune.search.optuna import OptunaSearch
 
+from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.bert import ensure_bert
 from nmtcore.checkpoint import epoch_checkpoints
@@ -736,7 +737,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     run_id, _ = open_child_run(ctx.parent_run_id, key, name, ctx.child_tags(overrides, point, control),
                                ctx.tracking_uri, params=ctx.child_params(point, control))
     trial_id = tune.get_context().get_trial_id()
-    set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={"nmtcore.tune_trial_id": trial_id})
+    set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={schema.TUNE_TRIAL_ID: trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
     memory = ctx.trial_estimate(cfg)
     tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
@@ -836,7 +837,7 @@ class _RayReport(Callback):
         self.cpu_s = all_reduce_sum(time.process_time() - self._cpu0)
 
 
-TRIAL_PROCESS_TAG = "nmtcore.trial_process"  # where a trial trained: its Tune actor, or Ray Train workers
+TRIAL_PROCESS_TAG = schema.TRIAL_PROCESS
 
 
 def _train_loop(lc: dict[str, Any]) -> None:
@@ -858,7 +859,7 @@ def _train_loop(lc: dict[str, Any]) -> None:
     if rank == 0:
         tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
         callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
-                                        {"nmtcore.tune_trial_id": lc["trial_id"],
+                                        {schema.TUNE_TRIAL_ID: lc["trial_id"],
                                          TRIAL_PROCESS_TAG: "tune actor" if in_actor else "train workers"}))
     borrow = BorrowIdleCpus(single_node_idle_cpus, lc["borrow_check_s"]) if lc.get("borrow_idle_cpus") else None
     if borrow is not None:
@@ -886,7 +887,7 @@ def _train_loop(lc: dict[str, Any]) -> None:
                       "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
                       "node_ids": ",".join(node_ids)})
         if borrow is not None and tracker is not None:
-            tracker.set_tags({"nmtcore.max_threads": borrow.max_threads})  # > train.num_threads: idle CPUs were used
+            tracker.set_tags({schema.MAX_THREADS: borrow.max_threads})  # > train.num_threads: idle CPUs were used
         reporter.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
 
 
@@ -958,7 +959,7 @@ class _SweepCallback(tune.Callback):
         if run is not None and run.status == "RUNNING":
             epoch = (trial.last_result or {}).get("epoch")
             end_trial(run.run_id, TrialState.STOPPED_EARLY, self.ctx.tracking_uri,
-                      tags={"nmtcore.stopped_at_epoch": epoch if epoch is not None else "",
+                      tags={schema.STOPPED_AT_EPOCH: epoch if epoch is not None else "",
                             TUNE_STATUS_TAG: "TERMINATED"})
         self._ended(trial, "TERMINATED", run)
 

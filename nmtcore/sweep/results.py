@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from nmtcore.tracking import schema
 from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE
@@ -30,10 +31,10 @@ from nmtcore.sweep.lifecycle import (
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking.callback import STOPPED_BY_TAG
 
-CONFIG_KEY_TAG = "nmtcore.config_key"
+CONFIG_KEY_TAG = schema.CONFIG_KEY
 _STOPPED_BY_WORDS = {"cap": "by the epoch or update cap", "schedule": "by a fixed schedule",
                      "unrecorded": "with no stopping rule recorded"}
-SEED_TAG = "nmtcore.seed"
+SEED_TAG = schema.SEED
 
 
 @dataclass
@@ -143,10 +144,9 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests)."""
     uri = tracking.resolve_tracking_uri(tracking_uri)
     parent = find_sweep_run(sweep, uri)
-    space = json.loads(parent.tags.get("nmtcore.space_json", "{}") or "{}")
-    varied = [k for k in parent.tags.get("nmtcore.varied_keys", "").split(",") if k]
-    splits = [s for s in (parent.tags.get("nmtcore.test_splits") or parent.tags.get("nmtcore.test_split", "")).split(",")
-              if s]
+    recorded = schema.SweepTags.from_tags(parent.tags, default_name=sweep)
+    space = recorded.space_description
+    varied, splits = list(recorded.varied_keys), list(recorded.test_splits)
     metric = space.get("metric", "valid_bleu")
     by_key: dict[str, list[tracking.RunRecord]] = {}
     for run in sweep_children(parent.run_id, uri):
@@ -174,18 +174,16 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
         if g.still_improving:
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): the budget stopped it before it converged")
-    # Written as str(bool) ("True"/"False") by the driver; read case-blind, as older stores may hold either.
-    converged = parent.tags.get("nmtcore.baseline_converged")
-    converged = None if converged is None else converged.strip().lower() == "true"
+    converged = recorded.baseline_converged
     if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
     estimate = None
     with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
         estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
-    return SweepReport(sweep=parent.tags.get(SWEEP_TAG, sweep), parent_run_id=parent.run_id, tracking_uri=uri,
-                       study=parent.tags.get("nmtcore.study", ""), space=space, varied_keys=varied, metric=metric,
-                       test_splits=splits, protocol=parent.tags.get("nmtcore.protocol", ""), groups=groups,
+    return SweepReport(sweep=recorded.name, parent_run_id=parent.run_id, tracking_uri=uri,
+                       study=recorded.study, space=space, varied_keys=varied, metric=metric,
+                       test_splits=splits, protocol=recorded.protocol, groups=groups,
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate)
 
@@ -218,13 +216,13 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
     p = first.params
     g.bert = p.get("model.bert.name") or (f"L{p['model.bert.layers']}-H{p['model.bert.hidden']}"
                                           if p.get("model.bert.layers", "0") not in ("0", "") else "")
-    resolved = first.tags.get("nmtcore.bert_resolved", "")
+    resolved = first.tags.get(schema.BERT_RESOLVED, "")
     if resolved and resolved != g.bert:  # a size: what answered it
         g.bert = f"{g.bert} → {resolved}"
-    for attr in ("bert_layers", "bert_hidden"):
-        value = first.tags.get(f"nmtcore.{attr}")
+    for attr, tag in (("bert_layers", schema.BERT_LAYERS), ("bert_hidden", schema.BERT_HIDDEN)):
+        value = first.tags.get(tag)
         setattr(g, attr, int(value) if value else None)
-    quality = first.tags.get("nmtcore.bert_quality")
+    quality = first.tags.get(schema.BERT_QUALITY)
     g.bert_quality = float(quality) if quality else None
     for r in runs:
         state = trial_state(r)
@@ -363,7 +361,7 @@ def _identical_trajectories(groups: list[Group], histories: dict[str, list[float
 
 # ================================================================================== utilities
 def _trial_index(run: tracking.RunRecord) -> int:
-    tid = run.tags.get("nmtcore.tune_trial_id", "")
+    tid = run.tags.get(schema.TUNE_TRIAL_ID, "")
     try:
         return int(tid.rsplit("_", 1)[-1])
     except ValueError:

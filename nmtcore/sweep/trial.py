@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
 from nmtcore.config import ExperimentConfig
@@ -58,7 +59,7 @@ class TrialOutOfMemoryError(RuntimeError):
     """A trial ran out of memory; retrying it as it was packed would too, so the trial stays FAILED."""
 
 
-MEMORY_TAG = "nmtcore.memory_estimate_gib"  # a trial's memory estimate, as Ray reserved it for each worker
+MEMORY_TAG = schema.MEMORY_ESTIMATE_GIB
 _OOM_MARKS = ("OutOfMemoryError", "MemoryError", "out of memory", "running low on memory", "killed due to memory")
 
 
@@ -102,15 +103,13 @@ class SweepContext:
     def child_tags(self, overrides: Mapping[str, Any], point: Mapping[str, Any], control: bool) -> dict[str, Any]:
         """Tags of a trial's child run: the sweep, the study, its arm (:func:`arm_name`: the run name's), the
         varied keys and their values, the seed, where it warm-started from."""
-        tags = {SWEEP_TAG: self.name, "nmtcore.study": self.space.study, "nmtcore.space": self.space.name,
-                "nmtcore.model": overrides.get("model.name") or self.base.model.name,
-                "nmtcore.varied_keys": ",".join(self.space.varied_keys), "nmtcore.config_key": config_key(overrides),
-                "nmtcore.seed": overrides.get(SEED_KEY, self.base_seed),
-                ARM_TAG: arm_name(point, control), CONTROL_TAG: str(control).lower(),
-                "nmtcore.warm_start": self.base.train.init_from or "none (from scratch)"}
-        for key, value in point.items():
-            tags[f"varied.{key}"] = plain(value)
-        return tags
+        return schema.TrialTags(
+            sweep=self.name, study=self.space.study, space=self.space.name,
+            model=overrides.get("model.name") or self.base.model.name, varied_keys=tuple(self.space.varied_keys),
+            config_key=config_key(overrides), seed=overrides.get(SEED_KEY, self.base_seed),
+            arm=arm_name(point, control), control=control,
+            warm_start=self.base.train.init_from or "none (from scratch)",
+            varied={key: plain(value) for key, value in point.items()}).to_tags()
 
     def child_params(self, point: Mapping[str, Any], control: bool) -> dict[str, str]:
         """Params of a trial's child run besides its config (which holds every varied key under its own
@@ -141,8 +140,8 @@ class TrialTracking(TrackingCallback):
 
     def on_train_start(self, trainer: Trainer) -> None:
         super().on_train_start(trainer)
-        self.tracker.set_tags({**self.extra_tags, "nmtcore.node_ids": ",".join(self.node_ids),
-                               "nmtcore.world_size": trainer.world_size})
+        self.tracker.set_tags({**self.extra_tags, schema.NODE_IDS: ",".join(self.node_ids),
+                               schema.WORLD_SIZE: trainer.world_size})
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         super().on_train_end(trainer, summary)

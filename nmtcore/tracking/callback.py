@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from nmtcore.tracking import schema
 from nmtcore.allocator import allocator_in_use
 from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
     from nmtcore.engine import RunSummary, Trainer
 
-STOPPED_BY_TAG = "nmtcore.stopped_by"  # which rule ended the run: patience (converged), cap or schedule
-STOP_METRIC_TAG = "nmtcore.stop_metric"
+STOPPED_BY_TAG = schema.STOPPED_BY
+STOP_METRIC_TAG = schema.STOP_METRIC
 
 def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
     """What the run's BERT is: its name, where it was found, its size and type, and its quality figure on
@@ -29,16 +30,16 @@ def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
         return {}
     bl = layers[0]
     r = bl.resolved
-    tags = {"nmtcore.bert": str(r.spec), "nmtcore.bert_resolved": r.name, "nmtcore.bert_source": r.source,
-            "nmtcore.bert_path": str(r.path), "nmtcore.bert_layers": str(bl.num_layers), "nmtcore.bert_hidden": str(bl.hidden_size),
-            "nmtcore.bert_type": bl.model_type}
+    tags = {schema.BERT: str(r.spec), schema.BERT_RESOLVED: r.name, schema.BERT_SOURCE: r.source,
+            schema.BERT_PATH: str(r.path), schema.BERT_LAYERS: str(bl.num_layers),
+            schema.BERT_HIDDEN: str(bl.hidden_size), schema.BERT_TYPE: bl.model_type}
     try:
         q = cached_quality(r, cfg.data.src_lang, Path(bl.cfg.cache_dir or cfg.data.resolved_cache_dir()))
     except Exception:  # noqa: BLE001 - a figure we cannot read is a missing figure, not a failed run
         q = None
     if q is not None:
-        tags["nmtcore.bert_quality"] = f"{q.figure:.4f}"
-        tags["nmtcore.bert_quality_detail"] = q.describe()
+        tags[schema.BERT_QUALITY] = f"{q.figure:.4f}"
+        tags[schema.BERT_QUALITY_DETAIL] = q.describe()
     return tags
 
 
@@ -51,11 +52,11 @@ class TrackingCallback(Callback):
 
     def on_train_start(self, trainer: "Trainer") -> None:
         self.tracker.log_config(self.cfg)
-        tags = {f"nmtcore.checksum.{k}": v for k, v in trainer.data.checksums.items()}
-        tags.update({"nmtcore.model": self.cfg.model.name, "nmtcore.corpus": self.cfg.data.corpus,
-                     "nmtcore.langs": f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
-                     "nmtcore.device": str(trainer.device), "nmtcore.amp_dtype": str(trainer.amp_dtype),
-                     "nmtcore.allocator": allocator_in_use()})  # step times and memory depend on it
+        tags = {schema.checksum(k): v for k, v in trainer.data.checksums.items()}
+        tags.update({schema.MODEL: self.cfg.model.name, schema.CORPUS: self.cfg.data.corpus,
+                     schema.LANGS: f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
+                     schema.DEVICE: str(trainer.device), schema.AMP_DTYPE: str(trainer.amp_dtype),
+                     schema.ALLOCATOR: allocator_in_use()})  # step times and memory depend on it
         tags.update(bert_tags(trainer.model, self.cfg))
         self.tracker.set_tags(provenance_tags(tags))
         if trainer.state.history:  # resumed: the checkpoint may be newer than the run's record
@@ -87,7 +88,7 @@ class TrackingCallback(Callback):
             final[f"test/{split}/chrf"] = scores.chrf
             final[f"test/{split}/sentences_per_s"] = scores.sentences_per_s
             self.tracker.log_artifact(scores.hyp_path, artifact_path="hypotheses")
-            self.tracker.set_tags({f"nmtcore.bleu_signature.{split}": scores.signature})
+            self.tracker.set_tags({schema.bleu_signature(split): scores.signature})
         figures = {"parameters": summary.parameters, "trainable_parameters": summary.trainable_parameters,
                    "train_tokens_per_s": summary.train_tokens_per_s, "fit_wall_s": summary.fit.fit_wall_s,
                    "num_updates": summary.fit.num_updates, "best_valid_loss": summary.fit.best_valid_loss}
@@ -95,8 +96,8 @@ class TrackingCallback(Callback):
         self.tracker.log_metrics(final, step=summary.epochs)
         if summary.warm_start is not None:  # how much of the baseline this run started from
             w = summary.warm_start
-            self.tracker.set_tags({"nmtcore.warm_start_source": w.source, "nmtcore.warm_start_loaded": w.loaded,
-                                   "nmtcore.warm_start_fresh": w.fresh})
+            self.tracker.set_tags({schema.WARM_START_SOURCE: w.source, schema.WARM_START_LOADED: w.loaded,
+                                   schema.WARM_START_FRESH: w.fresh})
         diagnostics = measure(trainer)  # how it scores and decodes; how much it used BERT (where it has one)
         if diagnostics:
             self.tracker.log_metrics({PREFIX + k: v for k, v in diagnostics.items() if math.isfinite(v)},

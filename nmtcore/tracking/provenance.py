@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import nmtcore
+from nmtcore.tracking import schema
 from nmtcore.tracking.errors import truncate
 
 
@@ -28,12 +29,12 @@ def provenance_tags(extra: Mapping[str, Any] | None = None,
     added last and wins on key clashes; values are stringified.
     """
     tags: dict[str, str] = {
-        "nmtcore.python_version": platform.python_version(),
-        "nmtcore.torch_version": _dist_version("torch"),
-        "nmtcore.nmtcore_version": getattr(nmtcore, "__version__", "unknown"),
-        "nmtcore.sacrebleu_version": _dist_version("sacrebleu"),
-        "nmtcore.mlflow_version": _dist_version("mlflow"),
-        "nmtcore.hostname": socket.gethostname(),
+        schema.PYTHON_VERSION: platform.python_version(),
+        schema.TORCH_VERSION: _dist_version("torch"),
+        schema.NMTCORE_VERSION: getattr(nmtcore, "__version__", "unknown"),
+        schema.SACREBLEU_VERSION: _dist_version("sacrebleu"),
+        schema.MLFLOW_VERSION: _dist_version("mlflow"),
+        schema.HOSTNAME: socket.gethostname(),
     }
     with contextlib.suppress(Exception):
         tags["mlflow.user"] = getpass.getuser()
@@ -42,11 +43,11 @@ def provenance_tags(extra: Mapping[str, Any] | None = None,
     if top is not None:
         sha = _git(repo, "rev-parse", "--verify", "--quiet", "HEAD")
         if sha:
-            tags["nmtcore.git_sha"] = sha
+            tags[schema.GIT_SHA] = sha
             tags["mlflow.source.git.commit"] = sha
         status = _git(repo, "status", "--porcelain")
         if status is not None:
-            tags["nmtcore.git_dirty"] = "true" if status else "false"
+            tags[schema.GIT_DIRTY] = "true" if status else "false"
     for k, v in (extra or {}).items():
         tags[k] = tag_value(v)
     return tags

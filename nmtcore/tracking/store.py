@@ -51,6 +51,7 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
+from nmtcore.tracking import schema
 from nmtcore.tracking.errors import TrackingError, one_line, truncate
 from nmtcore.tracking.provenance import failure_reason, tag_value
 from nmtcore.tracking.uri import check_local_store, resolve_tracking_uri, sqlite_path
@@ -62,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-FAILURE_REASON_TAG = "nmtcore.failure_reason"
+FAILURE_REASON_TAG = schema.FAILURE_REASON
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 DEFAULT_EXPERIMENT = "nmtcore"
@@ -175,8 +176,8 @@ class Tracker:
             self._client.update_run(run_id, status="RUNNING")
         if FAILURE_REASON_TAG in run.data.tags:  # the previous attempt's reason is stale now
             self._client.delete_tag(run_id, FAILURE_REASON_TAG)
-        attach = int(run.data.tags.get("nmtcore.attach_count", "0") or 0) + 1
-        self._client.set_tag(run_id, "nmtcore.attach_count", str(attach))
+        attach = int(run.data.tags.get(schema.ATTACH_COUNT, "0") or 0) + 1
+        self._client.set_tag(run_id, schema.ATTACH_COUNT, str(attach))
         return run
 
     def _get_run_or_fail(self, run_id: str, what: str) -> Any:
