@@ -170,7 +170,7 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         result = run_sweep(space, base, settings, baseline=baseline)
     except KeyboardInterrupt:
         again = [a for a in sys.argv if a != "--resume"]
-        from nmtcore.sweep.driver import STATE_FILE
+        from nmtcore.sweep.state import STATE_FILE
 
         started = (Path(settings.storage) / settings.name / STATE_FILE).is_file()
         print(f"\n{Path(sys.argv[0]).name}: stopped by SIGINT; what was finished is kept ("

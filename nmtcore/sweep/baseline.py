@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, save_checkpoint
 from nmtcore.config import ExperimentConfig
@@ -38,6 +37,7 @@ from nmtcore.engine.summary import still_improving
 from nmtcore.files import atomic_write_text, file_lock
 from nmtcore.sweep.lifecycle import ROLE_TAG
 from nmtcore.sweep.settings import SweepError
+from nmtcore.tracking import schema
 from nmtcore.tracking.callback import TrackingCallback
 
 log = logging.getLogger("nmtcore.sweep")

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
@@ -54,8 +53,8 @@ from nmtcore.sweep.settings import (
     resolve_settings,
 )
 from nmtcore.sweep.space import SearchSpace
-
-STATE_FILE = "nmtcore_sweep.json"
+from nmtcore.sweep.state import STATE_FILE, ResumeState
+from nmtcore.tracking import schema
 
 
 @dataclass
@@ -145,19 +144,19 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
 
 
 def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
-             exp_dir: str) -> tuple[dict[str, Any] | None, SearchSpace, ExperimentConfig, SweepSettings]:
+             exp_dir: str) -> tuple[ResumeState | None, SearchSpace, ExperimentConfig, SweepSettings]:
     """A resumed sweep's saved state, with the space, base config and settings it started with (``None`` and
     the arguments for a new sweep); refuses a resume with nothing to resume and a new sweep whose name is taken."""
     state_path = Path(exp_dir) / STATE_FILE
     if settings.resume:
         if is_uri(settings.storage) or not state_path.is_file():
             raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
-        state = json.loads(state_path.read_text())
-        if state["space"] != space.name:
-            raise SweepError(f"sweep {settings.name!r} ran space {state['space']}, not {space.name}")
-        base = ExperimentConfig.from_dict(state["base"])  # the sweep continues with the config it started with
-        settings = replace(settings, seeds=state["seeds"], tracking_uri=state["tracking_uri"])
-        return state, space.with_model(state.get("model", space.model)), base, settings
+        state = ResumeState.read(state_path)
+        if state.space != space.name:
+            raise SweepError(f"sweep {settings.name!r} ran space {state.space}, not {space.name}")
+        settings = replace(settings, seeds=state.seeds, tracking_uri=state.tracking_uri)
+        # the sweep continues with the base config it started with
+        return state, space.with_model(state.model or space.model), state.base, settings
     if state_path.exists() or (not is_uri(settings.storage) and (Path(exp_dir) / "tuner.pkl").exists()):
         raise SweepError(f"sweep {settings.name!r} already exists at {exp_dir}: pass --resume to continue it "
                          "or --name to start another")
@@ -178,7 +177,7 @@ def _estimate(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     return estimated
 
 
-def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, state: dict[str, Any] | None,
+def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, state: ResumeState | None,
                  exp_dir: str, data: Mapping[str, str], made: Any, estimated: cost.Estimate | None) -> tracking.Tracker:
     """The sweep's MLflow parent run, tagged with what it studies and how: created (with the base config, the
     settings, the space, the estimate, and the state file a resume reads) or, resuming, re-attached."""
@@ -192,7 +191,7 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
         test_splits=tuple(base.data.test_splits), experiment_path=exp_dir,
         protocol=describe_protocol(space, made, base), **baseline).to_tags()
     if state is not None:
-        return tracking.Tracker(settings.tracking_uri, run_id=state["parent_run_id"], tags=tags)
+        return tracking.Tracker(settings.tracking_uri, run_id=state.parent_run_id, tags=tags)
     parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
                               tags=tracking.provenance_tags({**tags, **{schema.checksum(k): v for k, v in data.items()}}))
     parent.log_config(base)
@@ -202,10 +201,8 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
     if estimated is not None:
         parent.log_dict(estimated.to_dict(), "estimate.json")
     if not is_uri(settings.storage):
-        Path(exp_dir).mkdir(parents=True, exist_ok=True)
-        (Path(exp_dir) / STATE_FILE).write_text(json.dumps(
-            {"space": space.name, "model": model, "parent_run_id": parent.run_id, "tracking_uri": parent.tracking_uri,
-             "seeds": settings.seeds, "base": base.to_dict()}, indent=1))
+        ResumeState(space=space.name, model=model, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
+                    seeds=settings.seeds, base=base).write(exp_dir)
     return parent
 
 
@@ -239,7 +236,7 @@ def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
 
 
 def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
-                parent: tracking.Tracker, exp_dir: str, state: dict[str, Any] | None,
+                parent: tracking.Tracker, exp_dir: str, state: ResumeState | None,
                 on_trial_end: Callable[[dict[str, Any]], None] | None,
                 dashboard_url: str | None) -> tuple[bool, list[TrialRecord], list[str]]:
     """Every Tune run of the sweep (:func:`phases`), then its bookkeeping: orphaned child runs ended, the

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from nmtcore.tracking import schema
 from nmtcore.sweep.space import ARM_KEY
 from nmtcore.tracking import (
     FAILURE_REASON_TAG,
@@ -36,6 +35,7 @@ from nmtcore.tracking import (
     set_run_tags,
     terminate_run,
 )
+from nmtcore.tracking import schema
 from nmtcore.tracking.store import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING_KIND,

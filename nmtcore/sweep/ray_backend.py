@@ -70,7 +70,6 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import BasicVariantGenerator, Repeater
 from ray.tune.search.optuna import OptunaSearch
 
-from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.bert import ensure_bert
 from nmtcore.checkpoint import epoch_checkpoints
@@ -118,6 +117,7 @@ from nmtcore.sweep.trial import (
     MEMORY_TAG,
     NonFiniteTrialError,
     SweepContext,
+    TrialLaunch,
     TrialOutOfMemoryError,
     TrialTracking,
     all_gather,
@@ -129,6 +129,7 @@ from nmtcore.sweep.trial import (
     last_epoch_metrics,
     run_name,
 )
+from nmtcore.tracking import schema
 
 log = logging.getLogger("nmtcore.sweep")
 
@@ -741,16 +742,16 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
     memory = ctx.trial_estimate(cfg)
     tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
-    loop_config = {"cfg": cfg, "run_id": run_id, "tracking_uri": ctx.tracking_uri, "trial_key": key,
-                   "trial_id": trial_id, "test_split": ctx.test_split, "metric": ctx.metric,
-                   "threads": ctx.threads_per_worker, "borrow_idle_cpus": ctx.borrow_idle_cpus,
-                   "borrow_check_s": ctx.borrow_check_s, "gpus": ctx.gpus_per_worker * ctx.workers,
-                   "callbacks": list(ctx.trial_callbacks), "in_actor": ctx.in_actor}
+    launch = TrialLaunch(cfg=cfg, run_id=run_id, tracking_uri=ctx.tracking_uri, trial_key=key, trial_id=trial_id,
+                         test_split=ctx.test_split, metric=ctx.metric, threads=ctx.threads_per_worker,
+                         borrow_idle_cpus=ctx.borrow_idle_cpus, borrow_check_s=ctx.borrow_check_s,
+                         gpus=ctx.gpus_per_worker * ctx.workers, callbacks=tuple(ctx.trial_callbacks),
+                         in_actor=ctx.in_actor)
     try:
         if ctx.in_actor:  # this actor reserved the trial's CPUs and memory estimate (trial_actor_resources)
-            _train_loop(loop_config)
+            _train_loop({LAUNCH_KEY: launch})
         else:
-            _trainer(ctx, key, memory.total, loop_config).fit()
+            _trainer(ctx, key, memory.total, {LAUNCH_KEY: launch}).fit()
     except Exception as e:
         reason = failure_reason(e)
         oom = is_out_of_memory(reason)
@@ -840,11 +841,15 @@ class _RayReport(Callback):
 TRIAL_PROCESS_TAG = schema.TRIAL_PROCESS
 
 
-def _train_loop(lc: dict[str, Any]) -> None:
-    """A Ray Train worker, or the Tune trial actor itself (``lc["in_actor"]``; Ray refuses ``ray.train``'s
+LAUNCH_KEY = "launch"  # Ray Train's train_loop_config is a dict: the typed payload under one key
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """A Ray Train worker, or the Tune trial actor itself (``TrialLaunch.in_actor``; Ray refuses ``ray.train``'s
     calls there): the unchanged nmtcore experiment, reporting through callbacks."""
-    cfg = ensure_bert(lc["cfg"], threads=lc.get("threads"))  # made once by the driver; here it only resolves
-    in_actor = bool(lc.get("in_actor"))
+    lc: TrialLaunch = loop_config[LAUNCH_KEY]
+    cfg = ensure_bert(lc.cfg, threads=lc.threads)  # made once by the driver; here it only resolves
+    in_actor = lc.in_actor
     rank = 0 if in_actor else ray.train.get_context().get_world_rank()
     if in_actor and cfg.train.compile:  # a reused actor: compile afresh, as a new process would (no stale graphs)
         import torch._dynamo
@@ -853,18 +858,18 @@ def _train_loop(lc: dict[str, Any]) -> None:
     node_ids = all_gather(ray.get_runtime_context().get_node_id())
     _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"),
                               tune.get_checkpoint() if in_actor else ray.train.get_checkpoint())
-    reporter = _RayReport(lc.get("metric", ""), in_actor)
+    reporter = _RayReport(lc.metric, in_actor)
     callbacks: list[Callback] = [reporter]  # Ray first, then MLflow, then the caller's: an epoch is
     tracker: tracking.Tracker | None = None  # checkpointed and logged before user code can fail it
     if rank == 0:
-        tracker = tracking.Tracker(lc["tracking_uri"], run_id=lc["run_id"])
-        callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc["gpus"],
-                                        {schema.TUNE_TRIAL_ID: lc["trial_id"],
+        tracker = tracking.Tracker(lc.tracking_uri, run_id=lc.run_id)
+        callbacks.append(TrialTracking(tracker, cfg, reporter, node_ids, lc.gpus,
+                                        {schema.TUNE_TRIAL_ID: lc.trial_id,
                                          TRIAL_PROCESS_TAG: "tune actor" if in_actor else "train workers"}))
-    borrow = BorrowIdleCpus(single_node_idle_cpus, lc["borrow_check_s"]) if lc.get("borrow_idle_cpus") else None
+    borrow = BorrowIdleCpus(single_node_idle_cpus, lc.borrow_check_s) if lc.borrow_idle_cpus else None
     if borrow is not None:
         callbacks.append(borrow)
-    callbacks += lc.get("callbacks", [])
+    callbacks += list(lc.callbacks)
     # Rank 0's tracker ends the child run: FINISHED, or FAILED with the one-line reason.
     with tracker if tracker is not None else contextlib.nullcontext():
         try:
@@ -882,13 +887,13 @@ def _train_loop(lc: dict[str, Any]) -> None:
                     tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value, **kind})
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
-        test = summary.test.get(lc["test_split"]) or next(iter(summary.test.values()), None)
+        test = summary.test.get(lc.test_split) or next(iter(summary.test.values()), None)
         final.update({"test_bleu": test.bleu if test else float("nan"),
                       "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
                       "node_ids": ",".join(node_ids)})
         if borrow is not None and tracker is not None:
             tracker.set_tags({schema.MAX_THREADS: borrow.max_threads})  # > train.num_threads: idle CPUs were used
-        reporter.report(first_keys(final, epoch=float(summary.epochs), metric=lc.get("metric", "")))
+        reporter.report(first_keys(final, epoch=float(summary.epochs), metric=lc.metric))
 
 
 TABLE_KEYS = ("valid_loss", "valid_bleu", "train_loss")  # after the sweep's metric, in Tune's table

@@ -15,7 +15,6 @@ from typing import Any
 
 import yaml
 
-from nmtcore.tracking import schema
 from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE
@@ -29,6 +28,7 @@ from nmtcore.sweep.lifecycle import (
     trial_state,
 )
 from nmtcore.sweep.space import CONTROL
+from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
 
 CONFIG_KEY_TAG = schema.CONFIG_KEY

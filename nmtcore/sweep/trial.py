@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-from nmtcore.tracking import schema
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
 from nmtcore.config import ExperimentConfig
@@ -28,6 +27,7 @@ from nmtcore.sweep.lifecycle import (
 from nmtcore.sweep.memory import BertFootprint, MemoryEstimate, trial_memory
 from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, bert_key, config_key, fmt, plain
 from nmtcore.sweep.space import ARM_KEY, CONTROL, SearchSpace
+from nmtcore.tracking import schema
 from nmtcore.tracking.callback import TrackingCallback
 
 # Config keys a run name abbreviates, in the papers' notation (BERT-JAM's Table 6: "L4-H256").
@@ -49,6 +49,32 @@ def arm_name(point: Mapping[str, Any], control: bool) -> str:
 def run_name(point: Mapping[str, Any], control: bool, seed: int) -> str:
     """A child run's name: its arm and seed (``L4-H256 seed 2``, ``control seed 1``)."""
     return f"{arm_name(point, control)} seed {seed}"
+
+
+@dataclass(frozen=True)
+class TrialLaunch:
+    """What a trial's training process is launched with (a Ray Train worker, or the Tune actor itself): the
+    resolved config and where it reports. Built by the trial's driver side, pickled once per worker."""
+
+    cfg: ExperimentConfig
+    run_id: str  # the MLflow child run rank 0 logs to (opened by the trial before launch)
+    tracking_uri: str
+    trial_key: str
+    trial_id: str  # Tune's id, tagged on the run so a resume can match them
+    test_split: str  # the split whose BLEU the trial reports to Tune
+    metric: str  # the sweep's metric: Tune's status table shows it second
+    threads: int  # torch threads per worker
+    borrow_idle_cpus: bool = False
+    borrow_check_s: float = 0.0
+    gpus: float = 0.0  # the trial's GPUs, all workers together (a cost figure)
+    callbacks: tuple[Any, ...] = ()  # a caller's own trainer callbacks (tests inject faults this way)
+    in_actor: bool = False  # train in the Tune actor (one CPU worker) rather than Ray Train's workers
+
+    def __post_init__(self) -> None:
+        if not self.run_id or not self.trial_key:
+            raise ValueError("a trial is launched with its MLflow run and its key")
+        if self.threads < 0 or self.gpus < 0:
+            raise ValueError(f"threads and gpus must be >= 0, got {self.threads}, {self.gpus}")
 
 
 class NonFiniteTrialError(RuntimeError):

@@ -6,12 +6,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from nmtcore.tracking import schema
 from nmtcore.allocator import allocator_in_use
 from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
 from nmtcore.diagnostics import PREFIX, measure
 from nmtcore.engine import Callback
+from nmtcore.tracking import schema
 from nmtcore.tracking.provenance import provenance_tags
 from nmtcore.tracking.store import Tracker, get_run_metrics
 
