@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from nmtcore.bert import BertKD
+from nmtcore.bleu import corpus_bleu
 from nmtcore.config import ConfigError, TrainConfig
 from nmtcore.engine import build_trainer, run_experiment
 from nmtcore.engine.losses import (
@@ -111,7 +114,12 @@ def test_baseline_kd_trains_end_to_end_with_cache(tmp_path, bert_dir, caplog) ->
     with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         summary = run_experiment(cfg)
     torch.set_num_threads(2)
-    assert summary.epochs == 1 and summary.test["test"].bleu >= 0
+    test = summary.test["test"]
+    assert summary.epochs == 1 and math.isfinite(summary.fit.best_valid_loss)
+    # the test BLEU reported is sacreBLEU's for the hypotheses the run wrote against the test references
+    hyps = Path(test.hyp_path).read_text(encoding="utf-8").splitlines()
+    refs = (Path(cfg.data.data_dir) / "test.yy").read_text(encoding="utf-8").splitlines()
+    assert test.bleu == pytest.approx(corpus_bleu(hyps, refs).score, abs=1e-6)
     assert sum("computed" in r.message for r in caplog.records) == 3  # train, valid, test: once each
     # Resuming (a new process would do the same) reuses every cached feature file.
     caplog.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import urllib.parse
 from pathlib import Path
 
@@ -69,9 +70,13 @@ def check_local_store(uri: str) -> Path | None:
     except OSError as e:
         why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or one_line(e)
         raise TrackingError(f"cannot create tracking store directory {db.parent} ({uri}): {why}") from None
-    # sqlite also writes a journal next to the database, so the directory must be writable too.
-    if not os.access(db.parent, os.W_OK | os.X_OK):
-        raise TrackingError(f"tracking store directory {db.parent} is not writable ({uri})")
+    # sqlite also writes a journal next to the database, so the directory must be writable too. Probed with a
+    # real file (removed at once): as root, permission bits say nothing (/proc, read-only mounts).
+    try:
+        with tempfile.NamedTemporaryFile(dir=db.parent, prefix=".nmtcore-probe-"):
+            pass
+    except OSError:
+        raise TrackingError(f"tracking store directory {db.parent} is not writable ({uri})") from None
     if db.exists() and not os.access(db, os.R_OK | os.W_OK):
         raise TrackingError(f"tracking store {db} is not writable ({uri})")
     return db.parent
