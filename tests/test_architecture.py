@@ -165,7 +165,7 @@ def test_one_override_engine():
     config is built from a plain dict only where one is read back whole (a checkpoint's, a sweep's saved
     base) or written as a literal (the test helpers), never from a dict edited key by key."""
     allowed = {"nmtcore.decoding.translator": "the checkpoint's own config",
-               "nmtcore.sweep.driver": "the resumed sweep's saved base config",
+               "nmtcore.sweep.state": "the resumed sweep's saved base config",
                "nmtcore.testing.synthetic": "a literal tiny experiment", "nmtcore.testing.zoo": "a literal tiny model"}
     builders = set()
     for name, path in MODULES.items():

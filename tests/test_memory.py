@@ -56,6 +56,29 @@ def test_the_estimate_grows_with_the_batch_the_bert_and_fine_tuning() -> None:
     assert "GiB" in frozen.describe()
 
 
+def test_each_model_declares_what_the_estimate_needs_of_it() -> None:
+    """NMTModel.memory_traits: the estimate asks the model class, not the config's field names."""
+    from nmtcore.models import MemoryTraits, model_class
+
+    base = preset("multi30k_small")
+
+    def traits(**overrides):
+        cfg = base.with_overrides(overrides)
+        return model_class(cfg.model).memory_traits(cfg)
+
+    assert traits() == MemoryTraits()  # the Transformer holds no BERT
+    assert traits(**{"model.name": "bert_fused", "model.bert.name": "minilm"}) == MemoryTraits(berts=1)
+    assert traits(**{"model.name": "bert_fused", "model.bert.name": "minilm", "model.bert.freeze": False}) \
+        == MemoryTraits(berts=1, bert_fine_tuned=True)
+    assert traits(**{"model.name": "bert_jam", "model.bert.name": "minilm"}).bert_fine_tuned  # phase 3 tunes BERT
+    assert not traits(**{"model.name": "bert_jam", "model.bert.name": "minilm",
+                         "model.schedule": ["warmup", "glu"]}).bert_fine_tuned  # no phase 3
+    doc = traits(**{"model.name": "doc_context", "model.bert.name": "minilm", "model.context_sentences": 2})
+    assert doc.context_sentences == 2 and doc.berts == 1
+    plm = traits(**{"model.name": "plm_sponsored", "model.bert.name": "minilm"})
+    assert plm.berts == 2 and plm.bert_fine_tuned
+
+
 def test_a_bert_footprint_reads_the_weights_and_the_shape(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 2,
                                                       "intermediate_size": 1024}))

@@ -57,6 +57,17 @@ class ModelOutput:
         return [t for t in (self.mlm_loss, self.target_lm_loss) if t is not None]
 
 
+@dataclass(frozen=True)
+class MemoryTraits:
+    """What a sweep's memory estimate (:func:`nmtcore.sweep.memory.trial_memory`) needs to know of a model
+    beyond the Transformer's shape, declared by the model class (:meth:`NMTModel.memory_traits`) rather than
+    guessed from its config's fields."""
+
+    berts: int = 0  # BERT encoders the model holds (PLM-sponsored: the source's and the target's)
+    context_sentences: int = 0  # sentences in a batch's BERT stream besides the source sentence itself
+    bert_fine_tuned: bool = False  # BERT's weights train (their gradients and Adam state count)
+
+
 class NMTModel(nn.Module):
     """Base class: the interface the trainer and beam search rely on, with the optional hooks' defaults."""
 
@@ -110,6 +121,17 @@ class NMTModel(nn.Module):
         one group, ``nmt``."""
         return self.groups()
 
+    @classmethod
+    def memory_traits(cls, cfg: ExperimentConfig) -> MemoryTraits:
+        """What the memory estimate needs of this model for ``cfg``: by default one BERT when ``model.bert`` is
+        on, a context sentence when ``model.bert.context`` asks for one, fine-tuned when it is not frozen or a
+        phase trains it."""
+        bert = cfg.model.bert
+        if not bert.enabled:
+            return MemoryTraits()
+        return MemoryTraits(berts=1, context_sentences=0 if bert.context == "none" else 1,
+                            bert_fine_tuned=not bert.freeze or any("bert" in p.trainable for p in cfg.train.phases))
+
     def default_phases(self) -> tuple[PhaseConfig, ...]:
         """The model's own phase schedule (BERT-JAM's three phases); () = one implicit phase."""
         return ()
@@ -152,4 +174,4 @@ class NMTModel(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable)
 
 
-__all__ = ["DecoderState", "EncoderOut", "KDStates", "ModelOutput", "NMTModel"]
+__all__ = ["MemoryTraits", "DecoderState", "EncoderOut", "KDStates", "ModelOutput", "NMTModel"]

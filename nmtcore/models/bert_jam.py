@@ -39,13 +39,15 @@ a reason:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer
-from nmtcore.config import BertJamConfig, PhaseConfig
+from nmtcore.config import BertJamConfig, ExperimentConfig, PhaseConfig
+from nmtcore.models.base import MemoryTraits
 from nmtcore.models.transformer import Transformer
 from nmtcore.nn.checkpointing import checkpoint_layers
 from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend_parts,
@@ -240,6 +242,14 @@ class BertJam(Transformer):
         glu = [p for layer in [*self.encoder_layers, *self.decoder_layers] if layer.glu is not None
                for p in layer.glu.parameters()]
         return self.groups(bert=self.bert.parameters(), glu=glu)
+
+    @classmethod
+    def memory_traits(cls, cfg: ExperimentConfig) -> MemoryTraits:
+        """The default, with BERT fine-tuned when the schedule runs phase 3 (``finetune``)."""
+        traits = super().memory_traits(cfg)
+        if "finetune" in cfg.model.schedule:  # type: ignore[attr-defined]
+            traits = dataclasses.replace(traits, bert_fine_tuned=True)
+        return traits
 
     def default_phases(self) -> tuple[PhaseConfig, ...]:
         """Section 2.4's schedule for this config; a skipped phase's epochs go to its neighbour (M2: to

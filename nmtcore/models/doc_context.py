@@ -57,6 +57,7 @@ Choices where the paper is silent or ambiguous (fields where they plausibly matt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence
 
@@ -65,8 +66,9 @@ import torch
 from torch import Tensor, nn
 
 from nmtcore.bert import BertLayer
-from nmtcore.config import DocContextConfig
+from nmtcore.config import DocContextConfig, ExperimentConfig
 from nmtcore.data import DataError
+from nmtcore.models.base import MemoryTraits
 from nmtcore.models.transformer import Transformer
 from nmtcore.nn import CrossAttention, DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention
 
@@ -180,6 +182,12 @@ class DocContext(Transformer):
     """
 
     bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
+
+    @classmethod
+    def memory_traits(cls, cfg: ExperimentConfig) -> MemoryTraits:
+        """The default, with ``model.context_sentences`` previous sentences in the BERT stream."""
+        traits = super().memory_traits(cfg)
+        return dataclasses.replace(traits, context_sentences=cfg.model.context_sentences)  # type: ignore[attr-defined]
 
     def __init__(self, cfg: DocContextConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__(cfg, vocab_size, pad_id, bos_id, eos_id)

@@ -93,6 +93,7 @@ The target BERT is resolved, or made here, by :meth:`PlmSponsored.prepare` befor
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -104,7 +105,7 @@ from torch import Tensor, nn
 from nmtcore.bert import BertError, BertLayer, BertSpec, KDStates, ResolvedBert, ensure_bert, resolve_bert
 from nmtcore.bert.mlm import mlm_corrupt
 from nmtcore.config import ConfigError, ExperimentConfig, PlmSponsoredConfig
-from nmtcore.models.base import ModelOutput, NMTModel
+from nmtcore.models.base import MemoryTraits, ModelOutput, NMTModel
 from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
                         SinusoidalPositions, attend_parts, causal_mask, dropout, merge_heads, split_heads)
@@ -345,6 +346,15 @@ class PlmSponsored(NMTModel):
 
     idle_kd_teacher_allowed: ClassVar[bool] = True  # Table 3's "-L_kd" and the α sweep's α = 1
     source_is_bert_stream: ClassVar[bool] = True  # the source BERT's WordPieces are the source: the budget counts them
+
+    @classmethod
+    def memory_traits(cls, cfg: ExperimentConfig) -> MemoryTraits:
+        """Two BERTs (the source's, and the fine-tuned target BERT counted at the source's size); the stream is
+        the source itself (no context)."""
+        traits = super().memory_traits(cfg)
+        if cfg.model.tgt_bert.enabled:  # type: ignore[attr-defined]
+            traits = dataclasses.replace(traits, berts=traits.berts + 1, bert_fine_tuned=True)
+        return traits
 
     def __init__(self, cfg: PlmSponsoredConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__()

@@ -111,19 +111,19 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
                              + m.decoder_layers * (DECODER_FLOATS[0] * d + DECODER_FLOATS[1] * f))
     acts += LOGIT_COPIES * tokens * cfg.data.vocab_size * FLOAT
     bert_weights = 0
-    if bert is not None and m.bert.enabled:
-        if model_class(m).source_is_bert_stream:  # the budget counts the stream (PLM-sponsored's source)
+    cls = model_class(m)
+    traits = cls.memory_traits(cfg)  # what the model declares: how many BERTs, its stream's context, fine-tuning
+    if bert is not None and traits.berts:
+        if cls.source_is_bert_stream:  # the budget counts the stream (PLM-sponsored's source)
             wordpieces = tokens
-        else:  # a batch's BERT stream, sized by its NMT tokens; the document model's context_sentences, else one
-            context = getattr(m, "context_sentences", 1 if m.bert.context != "none" else 0)  # previous sentence
-            wordpieces = int(tokens * (BERT_STREAM_SENTENCE + BERT_STREAM_PER_CONTEXT * context))
+        else:  # a batch's BERT stream, sized by its NMT tokens, with the context sentences the model declares
+            wordpieces = int(tokens * (BERT_STREAM_SENTENCE + BERT_STREAM_PER_CONTEXT * traits.context_sentences))
         fused = m.encoder_layers + m.decoder_layers  # an upper bound: every NMT layer attends to BERT
         params += fused * (2 * d * d + 2 * d * bert.hidden + 4 * d)
         acts += wordpieces * FLOAT * fused * BERT_ATTENTION_FLOATS * d
-        fine_tuned = (not m.bert.freeze or any("bert" in p.trainable for p in cfg.train.phases)
-                      or "finetune" in getattr(m, "schedule", ()))  # BERT-JAM's phase 3
+        fine_tuned = traits.bert_fine_tuned
         # A second, fine-tuned BERT (PLM-sponsored's target side) is counted at the source BERT's size.
-        copies = 2 if getattr(getattr(m, "tgt_bert", None), "enabled", False) else 1
+        copies = traits.berts
         bert_weights = copies * bert.weight_bytes * (4 if fine_tuned else 1)
         if fine_tuned:
             acts += copies * wordpieces * FLOAT * bert.layers * (BERT_LAYER_FLOATS[0] * bert.hidden
