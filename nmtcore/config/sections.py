@@ -253,7 +253,7 @@ def suggest_phase_scale(phases: tuple[PhaseConfig, ...], max_epochs: int) -> flo
     return max(s, 0.01)
 
 
-STOP_METRICS = ("valid_loss", "valid_bleu")  # what the stopping rule may watch
+STOP_METRICS = {"valid_loss": False, "valid_bleu": True}  # what the stopping rule may watch: higher is better?
 
 
 @dataclass(frozen=True)

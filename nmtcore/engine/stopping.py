@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 
 from nmtcore.config import TrainConfig
+from nmtcore.config.sections import STOP_METRICS
 
 PATIENCE, CAP, SCHEDULE = "patience", "cap", "schedule"
 STOPPED_BY = (PATIENCE, CAP, SCHEDULE)
-_HIGHER_IS_BETTER = {"valid_loss": False, "valid_bleu": True}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class StopRule:
 
     @property
     def higher_is_better(self) -> bool:
-        return _HIGHER_IS_BETTER[self.metric]
+        return STOP_METRICS[self.metric]
 
     @property
     def worst(self) -> float:

@@ -289,14 +289,9 @@ def missing_features(cfg: ExperimentConfig, data: PreparedData) -> int:
     """Sentences (over every split) whose frozen BERT features a run of ``cfg`` reads but the cache does not
     hold yet (0 for a model that reads none). ``cfg``'s BERT must exist."""
     from nmtcore.bert.features import FeatureCache
-    from nmtcore.bert.layer import prepare_bert_inputs
-    from nmtcore.engine.phases import start_schedule
-    from nmtcore.models import build_model, prepare_model_resources
+    from nmtcore.sweep.pre_sweep import bert_stream_layer
 
-    cfg = prepare_model_resources(cfg, data)
-    model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
-    start_schedule(cfg, model)
-    layer = prepare_bert_inputs(model, data, use_cache=False)
+    layer = bert_stream_layer(cfg, data, use_cache=False)
     if layer is None or not layer.cache_wanted:
         return 0
     cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from nmtcore.bert import prepare_bert_inputs
 from nmtcore.bert.ensure import ensure_bert_resolved
 from nmtcore.config import DataConfig, ExperimentConfig
-from nmtcore.data import prepare_data
+from nmtcore.data import PreparedData, prepare_data
 from nmtcore.engine import setup_torch
 from nmtcore.engine.phases import start_schedule
 from nmtcore.models import build_model, prepare_model_resources
@@ -72,12 +72,18 @@ def build_features(cfg: ExperimentConfig) -> bool:
     BERT must exist already. Returns whether the model reads cached features (False: its BERT trains from the
     first update or runs every step)."""
     setup_torch(cfg)
-    data = prepare_data(cfg.data)
+    layer = bert_stream_layer(cfg, prepare_data(cfg.data))
+    return layer is not None and layer.cache_wanted
+
+
+def bert_stream_layer(cfg: ExperimentConfig, data: PreparedData, use_cache: bool = True) -> Any:
+    """The BertLayer a trial of ``cfg`` reads its BERT stream through, as its trainer sets it up (the registered
+    model built, its first phase applied, the stream attached to ``data``: the same feature-cache keys); None
+    for a model without BERT. ``use_cache``: build the missing features (True) or only look (False)."""
     cfg = prepare_model_resources(cfg, data)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
     start_schedule(cfg, model)  # as the trainer: a BERT its first phase fine-tunes gets no cache
-    layer = prepare_bert_inputs(model, data)
-    return layer is not None and layer.cache_wanted
+    return prepare_bert_inputs(model, data, use_cache=use_cache)
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, env: Mapping[str, str] | None = None,
