@@ -164,6 +164,8 @@ class BertFused(Transformer):
             self.enc_drop_net.inference_weights, self.dec_drop_net.inference_weights = saved
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        """The decoder stack: each layer averages its encoder-decoder attention with attention over BERT's states (Eq.
+        2, drop-net mixing the two), the BERT states taken from ``enc_out.extras``."""
         offset = state.step if state is not None else 0
         x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
         bert, bert_mask = enc_out.extras["bert"], enc_out.extras["bert_mask"]  # (B, Tb, H), (B, Tb)
@@ -173,6 +175,8 @@ class BertFused(Transformer):
         return self.decoder_norm(x)
 
     def encode(self, batch: "Batch") -> EncoderOut:
+        """H_B = BERT(x), then the encoder stack: each layer averages self-attention with attention over H_B (Eq. 1,
+        drop-net mixing the two); H_B rides along in ``extras`` for the decoder."""
         bert_out = self.bert(batch)
         bert, bert_mask = bert_out.last, bert_out.mask  # H_B (B, Tb, H), (B, Tb)
         x = self.embed(batch.src, self.src_embed)  # (B, S, C)

@@ -101,6 +101,8 @@ class JointAttention(nn.Module):
         return self.out(merge_heads(y))  # (B, T, C)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """The secondary keys and values (BERT's composed states), split into heads: (k, v), each (B, heads, M,
+        C/heads)."""
         k, v = self.kv_memory(memory).chunk(2, dim=-1)  # 2 × (B, M, C)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
@@ -286,6 +288,8 @@ class BertJam(Transformer):
         return mix_layers(glus, states, self.glu_scale)
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        """The decoder stack with joint attention over encoder output and each layer's GLU-composed BERT states
+        (composed once per sentence: a cached step reuses them)."""
         offset = state.step if state is not None else 0
         x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
         states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, L, M, H), (B, M)
@@ -298,6 +302,8 @@ class BertJam(Transformer):
 
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
+        """BERT's layer states stacked once, then the encoder stack with joint attention over each layer's GLU
+        composition of them (Eq. 9); the stack rides along in ``extras`` for the decoder."""
         bert_out = self.bert(batch)
         # BERT(X) = (B_1, ..., B_L): the embeddings (hidden state 0) are not a layer. Stacked once, layer-major
         # per sentence (each GLU reads them in place) and in the autocast dtype where there is one: autocast
@@ -312,4 +318,5 @@ class BertJam(Transformer):
                           extras={"bert_states": states, "bert_mask": bert_out.mask})
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        """Two caches per decoder layer: its self-attention's and its joint attention's."""
         return DecoderState.empty(2 * len(self.decoder_layers))  # two joint attentions per layer

@@ -124,6 +124,8 @@ class ContextGate(nn.Module):
         nn.init.constant_(self.proj.bias, bias_init)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        """g = σ(W[x; y] + b), then g ⊙ x + (1 − g) ⊙ y (Eq. 4 / 6): how much of the sentence's own states to keep
+        against the context's."""
         g = torch.sigmoid(self.proj(torch.cat([x, y], dim=-1)))  # (B, T, C)
         return g * x + (1 - g) * y
 
@@ -142,6 +144,8 @@ class DocContextEncoderLayer(nn.Module):
         self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
 
     def forward(self, x: Tensor, mask: Tensor, bert: Tensor, bert_mask: Tensor) -> Tensor:
+        """One encoder layer with document context (Eqs. 2-5): self-attention and attention over C_B, gated, then the
+        FFN."""
         h = self.self_res.before(x)  # S^(l-1) (B, S, C)
         b = self.self_attn(h, key_padding_mask=mask)  # Eq. 2: B (B, S, C)
         d = self.bert_attn(h, bert, bert_mask)  # Eq. 3: D = MultiHead(S, C_B, C_B) (B, S, C)
@@ -166,6 +170,8 @@ class DocContextDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, enc: Tensor, enc_mask: Tensor, bert: Tensor, bert_mask: Tensor,
                 cache: LayerCache | None = None) -> Tensor:
+        """One decoder layer with document context: causal self-attention, encoder-decoder attention gated against
+        attention over C_B (Eq. 6), then the FFN."""
         x = self.self_res.after(x, self.self_attn(self.self_res.before(x), causal=True, cache=cache))  # Eq. 6: E
         h = self.cross_res.before(x)  # (B, T, C)
         f = self.bert_attn(h, bert, bert_mask, cache=cache, name="bert")  # F = MultiHead(E, C_B, C_B)
@@ -246,6 +252,8 @@ class DocContext(Transformer):
         out.update({f"bert_share/{k}": total / n for k, (total, n) in sums.items() if n})
 
     def encode(self, batch: "Batch") -> EncoderOut:
+        """C_B = BERT(context + sentence); the encoder reads it where the integration says (encoder/both), and it rides
+        along for the decoder (decoder/both). Without BERT: the baseline's encoder."""
         if self.bert is None:
             return super().encode(batch)
         bert_out = self.bert(batch)
@@ -262,6 +270,8 @@ class DocContext(Transformer):
         return enc
 
     def run_decoder(self, tgt_in: Tensor, enc_out: EncoderOut, state: DecoderState | None = None) -> Tensor:
+        """The baseline's decoder, or with ``decoder``/``both`` integration the gated context decoder over C_B from
+        ``extras``."""
         if not self.context_decoder:
             return super().run_decoder(tgt_in, enc_out, state)
         offset = state.step if state is not None else 0

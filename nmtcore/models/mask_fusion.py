@@ -266,9 +266,12 @@ class MaskFusion(Transformer):
 
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
+        """The encoder output of :meth:`encode_with_mask` (the knowledge mask dropped)."""
         return self.encode_with_mask(batch)[0]
 
     def forward(self, batch: "Batch") -> ModelOutput:
+        """Teacher-forced logits, with the knowledge mask (which source embeddings Eq. 4 masked) returned for the
+        validation figure."""
         enc_out, m = self.encode_with_mask(batch)
         h = self.run_decoder(batch.tgt_in, enc_out)  # (B, T, C)
         return ModelOutput(logits=self.output_logits(h), enc_out=enc_out.out, dec_hidden=h,

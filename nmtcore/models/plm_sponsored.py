@@ -141,6 +141,8 @@ class CausalBertLayer(nn.Module):
         self.ffn_res.norm.load_state_dict(layer.output.LayerNorm.state_dict())
 
     def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
+        """One BERT layer under a causal mask (the target BERT as a left-to-right decoder), incrementally with
+        ``cache``."""
         # Right-padded targets need no key padding mask under the causal mask (as the baseline decoder).
         x = self.self_res.after(x, self.self_attn(x, causal=True, cache=cache))
         return self.ffn_res.after(x, self.ffn(x))
@@ -195,6 +197,7 @@ class TargetBertDecoder(nn.Module):
 
     @property
     def max_positions(self) -> int:
+        """The longest target the BERT's position table holds."""
         return self.positions.num_embeddings
 
     def forward(self, tokens: Tensor, state: DecoderState | None = None, offset: int = 0) -> Tensor:
@@ -231,6 +234,7 @@ class FrozenTeacher(nn.Module):
         self.bert.eval()
 
     def train(self, mode: bool = True) -> "FrozenTeacher":
+        """Set the mode; the teacher BERT itself stays in eval mode (frozen, no dropout) whatever the mode."""
         super().train(mode)
         self.bert.eval()
         return self
@@ -253,6 +257,7 @@ class HalfLayerGate(nn.Module):
         self.ffn_res = Residual(hidden, dropout, pre_norm=False)
 
     def forward(self, top: Tensor, half: Tensor) -> Tensor:
+        """The gated mix of BERT's top and half layer, g ⊙ top + (1 − g) ⊙ half, then an FFN."""
         g = torch.sigmoid(self.gate(torch.cat([top, half], dim=-1)))  # (B, S, H)
         h = g * top + (1.0 - g) * half
         return self.ffn_res.after(h, self.ffn(h))
@@ -270,6 +275,7 @@ class MLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(word_embeddings.num_embeddings))
 
     def forward(self, x: Tensor) -> Tensor:
+        """Masked-LM logits over BERT's WordPiece vocabulary (the output projection tied to its word embeddings)."""
         return F.linear(self.norm(F.gelu(self.dense(x))), self.word_embeddings[0].weight, self.bias)
 
 
@@ -292,11 +298,13 @@ class CoordinatorAttention(nn.Module):
         nn.init.zeros_(self.out.bias)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of ``x``, split into heads: (k, v), each (B, heads, T, C/heads)."""
         k, v = self.kv(x).chunk(2, dim=-1)  # 2 × (B, T, C)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
     @staticmethod
     def grow(cache: LayerCache | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values so far: these alone, or appended to an incremental cache."""
         return (k, v) if cache is None else cache.grow(k, v)  # (B, H, t, Dh)
 
     def forward(self, x: Tensor, r_src: Tensor, src_mask: Tensor, r_tgt: Tensor,
@@ -335,6 +343,7 @@ class CoordinatorLayer(nn.Module):
 
     def forward(self, x: Tensor, r_src: Tensor, src_mask: Tensor, r_tgt: Tensor,
                 caches: tuple[LayerCache, LayerCache] | None = None) -> Tensor:
+        """One coordinator layer (Eq. 2): attention over the source and target representations, then the FFN."""
         h = x + dropout(self.attn(x, r_src, src_mask, r_tgt, caches), self.dropout, self.training)  # h_j
         return self.ffn_res.after(h, self.ffn(h))  # r_j
 
@@ -456,19 +465,25 @@ class PlmSponsored(NMTModel):
 
     # ------------------------------------------------------------------ interface
     def encode(self, batch: "Batch") -> EncoderOut:
+        """The source BERT's top and half layers, gated (the half-layer fusion) and projected to the coordinator's
+        width."""
         half, top, mask = self.encoder_states(batch)
         return EncoderOut(out=self.src_proj(self.fuse_source(top, half)), mask=mask)
 
     def init_state(self, enc_out: EncoderOut) -> DecoderState:
+        """A cache per target-BERT layer, and two per coordinator layer."""
         return DecoderState.empty(len(self.decoder.layers) + 2 * len(self.coordinator))
 
     def decode_step(self, prev_tokens: Tensor, enc_out: EncoderOut, state: DecoderState) -> Tensor:
+        """One target token: the target BERT's next state, the coordinator over it and the source, the next token's
+        logits."""
         r_t = self.decoder(prev_tokens, state, offset=state.step)  # (B, 1, H_tgt)
         h = self.run_coordinator(r_t, enc_out, state)
         state.step += prev_tokens.size(1)
         return self.output_logits(h[:, -1])  # (B, V)
 
     def forward(self, batch: "Batch") -> ModelOutput:
+        """Teacher-forced logits; in training also the extra losses (KD, MLM, L_T) the config turns on."""
         half, top, mask = self.encoder_states(batch)
         enc_out = EncoderOut(out=self.src_proj(self.fuse_source(top, half)), mask=mask)
         r_t = self.decoder(batch.tgt_in)  # (B, T, H_tgt)

@@ -29,6 +29,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, keep: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        """Per-token label-smoothed loss and NLL from logits in one pass, saving what backward needs."""
         m, v = logits.shape
         eps_i = epsilon / (v - 1)
         ctx.epsilon, ctx.eps_i, ctx.dtype = epsilon, eps_i, logits.dtype
@@ -55,6 +56,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor | None, None, None, None]:
+        """The loss's gradient with respect to the logits, softmax minus the smoothed target: in place over the
+        saved log-probabilities, or block by block from the logits (the bf16 path)."""
         if ctx.blocked:
             logits, target, keep, lse = ctx.saved_tensors
         else:

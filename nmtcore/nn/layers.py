@@ -104,6 +104,7 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("table", torch.cat([pos.sin(), pos.cos()], dim=1), persistent=False)  # (P, C)
 
     def forward(self, length: int, offset: int = 0) -> Tensor:
+        """The position encodings of positions offset .. offset + T − 1: (T, C)."""
         if offset + length > self.table.size(0):
             raise ValueError(f"sequence of length {offset + length} exceeds max_positions={self.table.size(0)}")
         return self.table[offset : offset + length]  # (T, C)
@@ -298,6 +299,8 @@ class SelfAttention(nn.Module):
         causal: bool = False,
         cache: LayerCache | None = None,
     ) -> Tensor:
+        """Multi-head self-attention of ``x`` (B, T, C), causal or with a key padding mask, incrementally with
+        ``cache``."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 × (B, T, C)
         q, k, v = split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads)
         mask = key_padding_to_attn_mask(key_padding_mask)
@@ -336,6 +339,8 @@ class CrossAttention(nn.Module):
         nn.init.zeros_(self.out.bias)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the memory (encoder output or BERT states), split into heads: computed once per sentence
+        and cached."""
         k, v = self.kv(memory).chunk(2, dim=-1)  # 2 × (B, S, C)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
@@ -347,6 +352,8 @@ class CrossAttention(nn.Module):
         cache: LayerCache | None = None,
         name: str = "enc",
     ) -> Tensor:
+        """Multi-head attention of ``x`` (B, T, C) over the memory, its keys and values from the cache when it holds
+        them."""
         q = split_heads(self.q(x), self.heads)  # (B, H, T, Dh)
         if cache is not None:
             k, v = cache.memory(name, lambda: self.project_memory(memory))
@@ -371,6 +378,7 @@ class FeedForward(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        """fc2(dropout(act(fc1(x))))."""
         h = dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
         return self.fc2(h)
 
@@ -406,6 +414,7 @@ class EncoderLayer(nn.Module):
         self.ffn_res = Residual(d_model, dropout, pre_norm)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """Self-attention then the FFN, each in a residual block (pre- or post-norm as configured)."""
         x = self.self_res.after(x, self.self_attn(self.self_res.before(x), key_padding_mask=mask))
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
 
@@ -426,6 +435,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, enc: Tensor, enc_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
         # Right-padded targets need no key padding mask under a causal mask: a real position never
         # sees a later (pad) one, and pad positions are excluded from the loss.
+        """Causal self-attention, encoder-decoder attention, the FFN, each in a residual block; incremental with
+        ``cache``."""
         x = self.self_res.after(x, self.self_attn(self.self_res.before(x), causal=True, cache=cache))
         x = self.cross_res.after(x, self.cross_attn(self.cross_res.before(x), enc, enc_mask, cache=cache))
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
