@@ -491,6 +491,7 @@ def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: P
     from nmtcore.sweep import driver
     from nmtcore.sweep import ray_backend
     from nmtcore.sweep import settings as sweep_settings
+    from nmtcore.sweep.ray_backend import cluster as rb_cluster
 
     assert sweep_settings.SweepSettings(name="s", storage=str(tmp_path)).dashboard_host == "127.0.0.1"
     assert inspect.signature(ray_backend.init_ray).parameters["dashboard_host"].default == "127.0.0.1"
@@ -510,8 +511,8 @@ def test_ray_dashboard_and_mlflow_ui_bind_to_localhost(world: World, tmp_path: P
     for k, v in ray_backend.RAY_ENV.items():
         monkeypatch.setenv(k, v)  # init_ray sets defaults in os.environ; monkeypatch restores them
     calls: dict[str, Any] = {}
-    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_backend.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
+    monkeypatch.setattr(rb_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rb_cluster.ray, "init", lambda **kw: calls.update(kw) or SimpleNamespace(dashboard_url=None))
     ray_backend.init_ray(num_cpus=1)
     assert calls["dashboard_host"] == "127.0.0.1" and calls["include_dashboard"] is True
     # The MLflow UI command printed after a sweep serves a local store on 127.0.0.1 only.

@@ -19,6 +19,7 @@ from nmtcore.engine import Callback
 from nmtcore.models import build_model
 from nmtcore.sweep import driver
 from nmtcore.sweep import ray_backend
+from nmtcore.sweep.ray_backend import callbacks as rb_callbacks, cluster as rb_cluster, trial as rb_trial
 from nmtcore.sweep.memory import GIB, BertFootprint, nmt_parameters, trial_memory
 from nmtcore.sweep.settings import SweepError
 from nmtcore.sweep.trial import MEMORY_TAG, is_out_of_memory
@@ -90,7 +91,7 @@ def test_a_bert_footprint_reads_the_weights_and_the_shape(tmp_path) -> None:
 def test_trials_are_packed_by_memory_as_well_as_cpus(monkeypatch, tmp_path) -> None:
     nodes = [{"node_id": "a" * 16, "cpus": 8.0, "gpus": 0.0, "memory": 10.0 * GIB},
              {"node_id": "b" * 16, "cpus": 2.0, "gpus": 0.0, "memory": 64.0 * GIB}]
-    monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: nodes)
+    monkeypatch.setattr(rb_cluster, "cluster_nodes", lambda: nodes)
     settings = tiny_settings(tmp_path, "pack", "sqlite:///x.db")
     assert ray_backend.trials_that_fit(settings) == 10  # 8 + 2 by CPUs
     assert ray_backend.trials_that_fit(settings, int(3 * GIB)) == 3 + 2  # node a: 3 by memory; node b: 2 by CPUs
@@ -233,26 +234,26 @@ def test_a_trial_actor_killed_for_memory_is_failed_as_oom_and_its_retry_ends_at_
     lifecycle.set_trial_state(run_id, lifecycle.TrialState.RUNNING, uri)
     killed = RuntimeError("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.")
     trial = SimpleNamespace(trial_id="t0", config=config, last_result={}, get_pickled_error=lambda: killed)
-    monkeypatch.setattr(ray_backend, "remove_leaked_placement_groups", lambda: 0)  # no cluster here
-    monkeypatch.setattr(ray_backend, "_poll_less", lambda: None)  # a Tune actor's setting: not this process's
-    ray_backend._SweepCallback(ctx).on_trial_error(0, [], trial)
+    monkeypatch.setattr(rb_callbacks, "remove_leaked_placement_groups", lambda: 0)  # no cluster here
+    monkeypatch.setattr(rb_trial, "poll_less", lambda: None)  # a Tune actor's setting: not this process's
+    rb_callbacks._SweepCallback(ctx).on_trial_error(0, [], trial)
     run = tracking.get_run(run_id, uri)
     assert run.status == "FAILED" and run.tags[lifecycle.FAILURE_KIND_TAG] == "oom", run.tags
     assert "running low on memory" in run.tags[tracking.FAILURE_REASON_TAG]
     with pytest.raises(TrialOutOfMemoryError, match="running low on memory"):
-        ray_backend._trial_main(config, ctx)
+        rb_trial._trial_main(config, ctx)
     # Another failure (the actor killed by a signal) is retried: no kind tag, so the retry trains.
     run2, _ = lifecycle.open_child_run(parent_id, "other-key", "x", {}, uri)
-    monkeypatch.setattr(ray_backend, "trial_key", lambda overrides: "other-key")
+    monkeypatch.setattr(rb_callbacks, "trial_key", lambda overrides: "other-key")
     crashed = RuntimeError("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
-    ray_backend._SweepCallback(ctx).on_trial_error(0, [], SimpleNamespace(trial_id="t1", config=config, last_result={},
+    rb_callbacks._SweepCallback(ctx).on_trial_error(0, [], SimpleNamespace(trial_id="t1", config=config, last_result={},
                                                                           get_pickled_error=lambda: crashed))
     assert lifecycle.FAILURE_KIND_TAG not in tracking.get_run(run2, uri).tags
 
 
 def test_fractional_resources_fit_as_ray_counts_them(monkeypatch, tmp_path) -> None:
     node = {"node_id": "a" * 16, "cpus": 2.0, "gpus": 1.0, "memory": 64.0 * GIB}
-    monkeypatch.setattr(ray_backend, "cluster_nodes", lambda: [node])
+    monkeypatch.setattr(rb_cluster, "cluster_nodes", lambda: [node])
     settings = tiny_settings(tmp_path, "frac", "sqlite:///x.db")
     assert ray_backend.trials_that_fit(replace(settings, cpus_per_trial=0.4)) == 5  # 2.0 // 0.4 == 4.0 in floats
     one_tenth = replace(settings, cpus_per_trial=0.1, gpus_per_trial=0.1)

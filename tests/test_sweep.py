@@ -17,6 +17,7 @@ from nmtcore import tracking
 from nmtcore.allocator import find_library
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend
+from nmtcore.sweep.ray_backend import callbacks as rb_callbacks, cluster as rb_cluster, tasks as rb_tasks
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid, loguniform, uniform
@@ -107,9 +108,9 @@ def test_trials_console_says_each_step_and_where_every_trial_stands_when_silent(
     from types import SimpleNamespace as T
 
     clock = [1000.0]
-    monkeypatch.setattr(ray_backend.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rb_callbacks.time, "monotonic", lambda: clock[0])
     lines: list[str] = []
-    console = ray_backend._TrialsConsole(lambda t: t.name, "valid_bleu", 3, out=lines.append, heartbeat_s=30)
+    console = rb_callbacks._TrialsConsole(lambda t: t.name, "valid_bleu", 3, out=lines.append, heartbeat_s=30)
     a = T(trial_id="a", name="control seed 1", status="RUNNING", last_result={})
     b = T(trial_id="b", name="L2-H384 seed 1", status="PENDING", last_result={})
     console.on_trial_start(0, [a, b], a)
@@ -265,8 +266,8 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     """Ray reports a finished task's CPUs free a moment later: the next task takes both CPUs, not one; CPUs that
     another sweep really holds are given up on after the settling time."""
     reports = iter([1.0, 1.0, 2.0])
-    monkeypatch.setattr(ray_backend.ray, "available_resources", lambda: {"CPU": next(reports)})
-    monkeypatch.setattr(ray_backend.time, "sleep", lambda s: None)
+    monkeypatch.setattr(rb_tasks.ray, "available_resources", lambda: {"CPU": next(reports)})
+    monkeypatch.setattr(rb_tasks.time, "sleep", lambda s: None)
     assert ray_backend.free_cpus(2.0) == 2.0
     clock = [0.0]
 
@@ -274,8 +275,8 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
         clock[0] += 1.0
         return clock[0]
 
-    monkeypatch.setattr(ray_backend.ray, "available_resources", lambda: {"CPU": 1.0})
-    monkeypatch.setattr(ray_backend.time, "monotonic", tick)
+    monkeypatch.setattr(rb_tasks.ray, "available_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(rb_tasks.time, "monotonic", tick)
     assert ray_backend.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
 
 
@@ -304,9 +305,9 @@ def test_the_control_plane_of_a_local_cluster_runs_below_its_trials(monkeypatch)
             return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
 
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        monkeypatch.setattr(ray_backend, "_local_cluster_pid", None)  # a joined cluster, or none
+        monkeypatch.setattr(rb_cluster, "_local_cluster_pid", None)  # a joined cluster, or none
         assert ray_backend.yield_control_plane() == 0 and nices(daemon.pid) == {base}
-        monkeypatch.setattr(ray_backend, "_local_cluster_pid", os.getpid())
+        monkeypatch.setattr(rb_cluster, "_local_cluster_pid", os.getpid())
         assert ray_backend.yield_control_plane() >= 2  # the daemon's two threads at least
         assert nices(daemon.pid) == {max(base, ray_backend.CONTROL_PLANE_NICE)}
         assert nices(worker.pid) == {base}
@@ -326,8 +327,8 @@ def test_a_local_cluster_runs_trials_without_ray_trains_preemption_watcher(monke
     for k in [*ray_backend.RAY_ENV, key]:
         monkeypatch.delenv(k, raising=False)  # init_ray sets defaults in os.environ; monkeypatch restores them
     calls: list[dict] = []
-    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_backend.ray, "init", lambda **kw: calls.append(kw) or SimpleNamespace(dashboard_url=None))
+    monkeypatch.setattr(rb_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rb_cluster.ray, "init", lambda **kw: calls.append(kw) or SimpleNamespace(dashboard_url=None))
     ray_backend.init_ray(num_cpus=1)
     assert calls[-1]["runtime_env"]["env_vars"][key] == "0"
     monkeypatch.setenv(key, "1")

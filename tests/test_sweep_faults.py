@@ -26,6 +26,7 @@ import pytest
 from nmtcore import tracking
 from nmtcore.engine import Callback
 from nmtcore.sweep import driver, lifecycle, ray_backend
+from nmtcore.sweep.ray_backend import tuner as rb_tuner
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid
 
@@ -152,7 +153,7 @@ def test_sigkilled_trainer_resumes_and_matches_an_uninterrupted_trial(in_actor, 
     final = {t.trial_key: t.metrics for t in result.trials}[child.tags[lifecycle.TRIAL_KEY_TAG]]
     ref_final = ref.trials[0].metrics
     assert (final["valid_loss"], final["test_bleu"]) == (ref_final["valid_loss"], ref_final["test_bleu"])
-    tune_failures = [getattr(t, "num_failures", None) for t in ray_backend._saved_trials(result.experiment_path)]
+    tune_failures = [getattr(t, "num_failures", None) for t in rb_tuner._saved_trials(result.experiment_path)]
     assert tune_failures == [1], tune_failures  # Tune retried the trial once (not a fresh trial, not none)
     print(f"\nSIGKILL of worker pid {seen['pid']} at update {seen['num_updates']} (epoch 2): trials {c}; "
           f"epoch-3 valid_loss {final['valid_loss']!r} vs uninterrupted {ref_final['valid_loss']!r}, test BLEU "

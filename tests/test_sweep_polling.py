@@ -1,5 +1,5 @@
 """A sweep trial's Ray Train run starts no helper actor it does not use, and its Tune trial polls less often
-than Ray's default (``ray_backend.TrialTrainer``, ``ray_backend._poll_less``).
+than Ray's default (``ray_backend.TrialTrainer``, ``ray_backend._private.poll_less``).
 
 Both reach into private parts of the installed Ray: if an upgrade renames or moves them, these tests fail
 instead of trials silently going back to paying for them."""
@@ -19,6 +19,7 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback  # noqa: 
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback  # noqa: E402
 
 from nmtcore.sweep import ray_backend  # noqa: E402
+from nmtcore.sweep.ray_backend import _private as rb_private  # noqa: E402
 
 
 def _callbacks(trainer_cls: type, **kwargs: object) -> set[type]:
@@ -45,8 +46,8 @@ def ray_default_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_tune_trial_waits_longer_for_each_result(ray_default_wait: None) -> None:
-    assert train_session._RESULT_FETCH_TIMEOUT < ray_backend.RESULT_POLL_S  # Ray's default: 0.2 s
-    ray_backend._poll_less()
-    assert train_session._RESULT_FETCH_TIMEOUT == ray_backend.RESULT_POLL_S
+    assert train_session._RESULT_FETCH_TIMEOUT < rb_private.RESULT_POLL_S  # Ray's default: 0.2 s
+    rb_private.poll_less()
+    assert train_session._RESULT_FETCH_TIMEOUT == rb_private.RESULT_POLL_S
     # Tune's function trainable waits in this method, which reads the module's value at call time.
     assert "_RESULT_FETCH_TIMEOUT" in inspect.getsource(train_session._TrainSession._get_result_from_queues)

@@ -22,11 +22,8 @@ from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
 from nmtcore.sweep import cost, pre_sweep, ray_backend
-from nmtcore.sweep.baseline import KEY_TAG as BASELINE_KEY_TAG
 from nmtcore.sweep.dashboard import dashboard_access
 from nmtcore.sweep.lifecycle import (
-    ROLE_TAG,
-    SWEEP_TAG,
     TrialState,
     end_trial,
     find_child_run,

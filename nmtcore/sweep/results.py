@@ -19,14 +19,7 @@ from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE
 from nmtcore.engine.summary import still_improving
-from nmtcore.sweep.lifecycle import (
-    ARM_TAG,
-    CONTROL_TAG,
-    SWEEP_TAG,
-    find_sweep_run,
-    sweep_children,
-    trial_state,
-)
+from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG

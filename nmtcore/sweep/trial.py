@@ -15,15 +15,7 @@ from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
 from nmtcore.config import ExperimentConfig
 from nmtcore.engine import RunSummary, Trainer
-from nmtcore.sweep.lifecycle import (
-    ARM_PARAM,
-    ARM_TAG,
-    CONTROL_PARAM,
-    CONTROL_TAG,
-    SWEEP_TAG,
-    TRIAL_STATE_TAG,
-    TrialState,
-)
+from nmtcore.sweep.lifecycle import ARM_PARAM, CONTROL_PARAM, TRIAL_STATE_TAG, TrialState
 from nmtcore.sweep.memory import BertFootprint, MemoryEstimate, trial_memory
 from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, bert_key, config_key, fmt, plain
 from nmtcore.sweep.space import ARM_KEY, CONTROL, SearchSpace

@@ -1,0 +1,185 @@
+"""The driver's Tune callbacks: :class:`_SweepCallback` keeps each trial's MLflow record in step with Tune (ends
+the child runs of stopped and failed trials, removes leaked worker reservations), :class:`_TrialsConsole` prints
+the trials' progress lines; and the names Tune shows for trials."""
+
+from __future__ import annotations
+
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+from ray import tune
+
+from nmtcore import tracking
+from nmtcore.sweep.lifecycle import FAILURE_KIND_TAG, TUNE_STATUS_TAG, TrialState, end_trial, find_child_run
+from nmtcore.sweep.plan import SEED_KEY, trial_key, trial_overrides, trial_point
+from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress, console_line, duration
+from nmtcore.sweep.space import SearchSpace
+from nmtcore.sweep.trial import SweepContext, failure_reason, is_out_of_memory, run_name
+from nmtcore.tracking import schema
+
+from nmtcore.sweep.ray_backend._private import remove_leaked_placement_groups
+from nmtcore.sweep.ray_backend.cluster import yield_control_plane
+
+log = logging.getLogger("nmtcore.sweep")
+
+
+class _SweepCallback(tune.Callback):
+    """Keeps MLflow in step with Tune and keeps the cluster free of leaked worker reservations.
+
+    * a trial stopped by the scheduler (ASHA) leaves its child run RUNNING: end it FINISHED, tagged
+      ``stopped_early`` with the epoch it reached;
+    * a trial that errored for good: end its child run FAILED with the reason;
+    * before each trial starts, after each ends, and every ``pg_check_s``: remove placement groups
+      whose creating actor (a Train controller of a stopped trial) is dead — nothing can ever use
+      them, and a leaked one makes the next trial's worker group wait forever.
+    """
+
+    def __init__(self, ctx: SweepContext, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
+                 pg_check_s: float = 10.0) -> None:
+        self.ctx = ctx
+        self.on_trial_end_hook = on_trial_end
+        self.pg_check_s = pg_check_s
+        self._last_pg_check = 0.0
+        self.trials: list[Any] = []
+        self.leaked_removed = 0
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        self.trials = trials
+        if time.monotonic() - self._last_pg_check > self.pg_check_s:
+            self._clean()
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.trials = trials
+        self._clean()
+        yield_control_plane()
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        run = self._child(trial)
+        if run is not None and run.status == "RUNNING":
+            epoch = (trial.last_result or {}).get("epoch")
+            end_trial(run.run_id, TrialState.STOPPED_EARLY, self.ctx.tracking_uri,
+                      tags={schema.STOPPED_AT_EPOCH: epoch if epoch is not None else "",
+                            TUNE_STATUS_TAG: "TERMINATED"})
+        self._ended(trial, "TERMINATED", run)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        run = self._child(trial)
+        if run is not None:
+            reason = "trial failed"
+            with contextlib.suppress(Exception):
+                err = trial.get_pickled_error()
+                reason = failure_reason(err) if err is not None else reason
+            # Ray's memory monitor killing a trial actor that trains (ctx.in_actor) ends the trial here, not
+            # in _trial_main: its retry must see the kind too, and end at once.
+            oom = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(reason) else {}
+            end_trial(run.run_id, TrialState.FAILED, self.ctx.tracking_uri, reason=reason,
+                      tags={TUNE_STATUS_TAG: "ERROR", **oom})
+            with contextlib.suppress(Exception):  # a run the worker already ended FAILED: say what Tune saw
+                tracking.set_run_tags(run.run_id, {TUNE_STATUS_TAG: "ERROR"}, self.ctx.tracking_uri)
+        self._ended(trial, "ERROR", run)
+
+    def _ended(self, trial: Any, status: str, run: Any) -> None:
+        self._clean()
+        if self.on_trial_end_hook is not None:
+            self.on_trial_end_hook({"trial_id": trial.trial_id, "status": status, "config": dict(trial.config),
+                                    "run_id": getattr(run, "run_id", None), "last_result": dict(trial.last_result or {})})
+
+    def _child(self, trial: Any) -> tracking.RunRecord | None:
+        try:
+            key = trial_key(trial_overrides(self.ctx.space, trial.config, self.ctx.base_seed))
+            return find_child_run(self.ctx.parent_run_id, key, self.ctx.tracking_uri)
+        except Exception as e:  # never let bookkeeping kill the sweep
+            log.warning("could not look up the MLflow run of trial %s: %s", trial.trial_id, e)
+            return None
+
+    def _clean(self) -> None:
+        self._last_pg_check = time.monotonic()
+        self.leaked_removed += remove_leaked_placement_groups()
+
+
+class _TrialsConsole(tune.Callback):
+    """The console of the trial phase, one timestamped line at a time: a trial started; each epoch it reports
+    (a bar over the sweep's epochs, the metric, how long the trial has run); how it ended; and, whenever the
+    console has been silent for :data:`~nmtcore.sweep.progress.HEARTBEAT_S`, where every trial stands (Tune's
+    own status table is not printed when the output is not a terminal, and an epoch can take many minutes)."""
+
+    def __init__(self, name_of: Callable[[Any], str], metric: str, max_epochs: int,
+                 out: Callable[[str], None] | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.name_of, self.metric, self.max_epochs = name_of, metric, max_epochs
+        self.out = out or console_line
+        self.heartbeat_s = heartbeat_s
+        self.started: dict[str, float] = {}
+        self._last_line = time.monotonic()
+
+    def _say(self, text: str) -> None:
+        self.out(text)
+        self._last_line = time.monotonic()
+
+    def _epoch(self, trial: Any) -> int:
+        return int((trial.last_result or {}).get("epoch") or 0)
+
+    def _ran(self, trial: Any) -> str:
+        t0 = self.started.get(trial.trial_id)
+        return "" if t0 is None else duration(time.monotonic() - t0)
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.started.setdefault(trial.trial_id, time.monotonic())
+        epoch = self._epoch(trial)
+        self._say(f"trial {self.name_of(trial)}: started" + (f" (resumes after epoch {epoch})" if epoch else ""))
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
+        epoch = int(result.get("epoch") or 0)
+        value = result.get(self.metric)
+        shown = f" {self.metric} {value:.2f}" if isinstance(value, (int, float)) else ""
+        self._say(f"trial {self.name_of(trial)}: {PhaseProgress.bar(epoch, self.max_epochs)} "
+                  f"epoch {epoch}/{self.max_epochs}{shown} ({self._ran(trial)} so far)")
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        epoch = self._epoch(trial)
+        how = "finished" if epoch >= self.max_epochs else f"stopped by the scheduler after epoch {epoch}"
+        self._say(f"trial {self.name_of(trial)}: {how} in {self._ran(trial)}")
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._say(f"trial {self.name_of(trial)}: FAILED after epoch {self._epoch(trial)} ({self._ran(trial)}); "
+                  "Tune retries it from its last checkpoint while it has retries left (not one that ran out of "
+                  "memory or whose loss became non-finite: those end at once)")
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if time.monotonic() - self._last_line >= self.heartbeat_s:
+            self._say(self.standing(trials))
+
+    def standing(self, trials: list[Any]) -> str:
+        """``trials: 2 running, 1 pending, 1 done · L2-H384 seed 1 epoch 1/3, 12.5 min; …``"""
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        words = {"RUNNING": "running", "PENDING": "pending", "PAUSED": "paused", "TERMINATED": "done",
+                 "ERROR": "failed"}
+        head = ", ".join(f"{n} {words.get(status, status.lower())}" for status, n in counts.items())
+        running = "; ".join(f"{self.name_of(t)} epoch {self._epoch(t)}/{self.max_epochs}, {self._ran(t)}"
+                            for t in trials if t.status == "RUNNING")
+        return f"trials: {head or 'none yet'}" + (f" · {running}" if running else "")
+
+
+def _trial_name(trial: Any) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+class _TrialNames:
+    """Tune's name of a trial (its status table's first column): the arm and seed, as the trial's MLflow
+    run is named, then Tune's trial id: ``L4-H256 seed 1 (a1b2c_00003)``."""
+
+    def __init__(self, space: SearchSpace, base_seed: int) -> None:
+        self.space, self.base_seed = space, base_seed
+
+    def __call__(self, trial: Any) -> str:
+        try:
+            point, control = trial_point(self.space, trial.config)
+            seed = trial_overrides(self.space, trial.config, self.base_seed).get(SEED_KEY, self.base_seed)
+            return f"{run_name(point, control, seed)} ({trial.trial_id})"
+        except Exception:  # never let a display name stop a sweep
+            return _trial_name(trial)
