@@ -48,13 +48,19 @@ def test_bad_stopping_settings_are_refused_in_one_line():
 
 
 # ---------------------------------------------------------------------- the rule in the trainer's loop
-def scripted_trainer(tmp_path, bleus, **train):
-    """A real trainer whose epochs cost nothing: training is skipped and validation reads ``bleus``."""
+def scripted_trainer(tmp_path, bleus, updates_per_epoch=100, **train):
+    """A real trainer whose epochs cost nothing: training is skipped (the update counter advances by
+    ``updates_per_epoch``; the tiny experiment warms up over 50) and validation reads ``bleus``."""
     cfg = tiny_experiment(tmp_path, **{"train.valid_bleu": True, "train.stop_metric": "valid_bleu",
                                        "train.max_epochs": len(bleus), **train})
     trainer = build_trainer(cfg, device=torch.device("cpu"))
     values = iter(bleus)
-    trainer.train_epoch = lambda epoch: {"train_loss": 1.0}
+
+    def epoch_of_updates(epoch):
+        trainer.state.num_updates += updates_per_epoch
+        return {"train_loss": 1.0}
+
+    trainer.train_epoch = epoch_of_updates
     trainer.validate = lambda: {"valid_loss": 1.0, "valid_bleu": next(values)}
     return trainer
 
@@ -63,6 +69,19 @@ def test_a_plateau_stops_the_run_by_patience(tmp_path):
     plateau = [10.0, 20.0, 25.0, 25.05, 24.8, 25.09, 30.0, 31.0]  # no gain > 0.1 after epoch 3 for 3 epochs
     fit = scripted_trainer(tmp_path, plateau, **{"train.patience": 3, "train.min_delta": 0.1}).fit()
     assert (fit.epochs, fit.stopped_by, fit.converged, fit.best_epoch, fit.best_score) == (6, "patience", True, 3, 25.0)
+
+
+def test_epochs_inside_the_warm_up_do_not_count_against_patience(tmp_path):
+    """A restarted schedule (the papers' second stage) makes a trained model worse while its rate rises: with a
+    warm-up of 350 updates (epochs 1-3 end inside it) the dip of epochs 2-3 is not counted, and the run goes on
+    to its real best; counting it, patience 2 would stop at epoch 3 with epoch 1's weights."""
+    dip = [30.0, 25.0, 24.0, 31.0, 30.5, 30.6, 32.0]
+    fit = scripted_trainer(tmp_path, dip, **{"train.patience": 2, "train.min_delta": 0.1,
+                                             "train.warmup_updates": 350}).fit()
+    assert (fit.epochs, fit.stopped_by, fit.best_epoch, fit.best_score) == (6, "patience", 4, 31.0)
+    short = scripted_trainer(tmp_path / "short", dip, **{"train.patience": 2, "train.min_delta": 0.1,
+                                                         "train.warmup_updates": 50}).fit()
+    assert (short.epochs, short.best_epoch, short.best_score) == (3, 1, 30.0)
 
 
 def test_a_run_still_rising_is_stopped_by_its_cap_not_called_converged(tmp_path):
@@ -81,7 +100,6 @@ def test_the_rule_survives_a_resume(tmp_path):
     never interrupted stops."""
     bleus = [10.0, 20.0, 20.05, 19.0, 18.0, 30.0]
     first = scripted_trainer(tmp_path, bleus[:3], **{"train.patience": 3, "train.min_delta": 0.1})
-    first.train_epoch = lambda epoch: {"train_loss": 1.0}
     first.fit()  # 3 epochs, one without a gain
     again = scripted_trainer(tmp_path, bleus[3:], **{"train.patience": 3, "train.min_delta": 0.1,
                                                       "train.max_epochs": 6})

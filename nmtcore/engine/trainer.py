@@ -488,15 +488,19 @@ class Trainer:
         return bool(self.cfg.train.patience) and (not self.phases or self.phases[self.phase_index].early_stop)
 
     def record_stop_metric(self, epoch: int, metrics: dict[str, float]) -> None:
-        """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics``."""
+        """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics`` (epochs that
+        end inside the warm-up are not counted)."""
         s = self.state
         s.best_valid_loss = min(s.best_valid_loss, metrics["valid_loss"])
         value = metrics[self.stop_rule.metric]
         best = s.best_score if not math.isnan(s.best_score) else self.stop_rule.worst
         if self.stop_rule.improves(value, best):
             s.best_score, s.best_epoch, s.bad_epochs = value, epoch, 0
-        else:
+        elif s.num_updates > self.cfg.train.warmup_updates:
             s.bad_epochs += 1
+        # An epoch that ends inside the learning-rate warm-up never counts against patience: a rising rate makes a
+        # trained model worse before it makes it better (the papers' second stage restarts the whole warm-up on
+        # the converged baseline, 3.4 epochs of Multi30k: longer than a patience of 3 epochs).
 
     def phase_starts(self) -> dict[str, int]:
         """The epoch each phase of the schedule began in this run (from the epoch history, which a resume
