@@ -130,8 +130,14 @@ def test_trials_console_says_each_step_and_where_every_trial_stands_when_silent(
     console.on_trial_start(5, [a, b], b)
     assert lines[-1] == "trial L2-H384 seed 1: started (resumes after epoch 1)"
     a.status = "TERMINATED"
-    console.on_trial_complete(6, [a, b], a)
+    console.on_trial_complete(6, [a, b], a)  # no final result: ASHA stopped it
     assert lines[-1] == "trial control seed 1: stopped by the scheduler after epoch 1 in 10.0 min"
+    a.last_result = {"epoch": 4.0, "trial_complete": 1.0, "stopped_by": "patience", "best_epoch": 1.0}
+    console.on_trial_complete(6, [a, b], a)  # its own rule stopped it (this read "stopped by the scheduler")
+    assert lines[-1] == "trial control seed 1: done after epoch 4: stopped by patience, best epoch 1 in 10.0 min"
+    a.last_result = {"epoch": 3.0, "trial_complete": 1.0, "stopped_by": "cap", "best_epoch": 3.0}
+    console.on_trial_complete(6, [a, b], a)
+    assert lines[-1] == "trial control seed 1: done after epoch 3: stopped by cap, best epoch 3 in 10.0 min"
     console.on_trial_error(7, [a, b], b)
     assert lines[-1].startswith("trial L2-H384 seed 1: FAILED after epoch 1 (0 s)")
     b.status = "ERROR"

@@ -143,6 +143,8 @@ def final_metrics_from_run(run: tracking.RunRecord) -> dict[str, Any]:
             metrics.setdefault(f"test_{parts[2]}", value)
     metrics["trial_complete"] = 1.0
     metrics["deduplicated"] = 1.0
+    if run.tags.get(schema.STOPPED_BY):
+        metrics["stopped_by"] = run.tags[schema.STOPPED_BY]
     return metrics
 
 

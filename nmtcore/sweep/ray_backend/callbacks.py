@@ -139,8 +139,15 @@ class _TrialsConsole(tune.Callback):
                   f"epoch {epoch}/{self.max_epochs}{shown} ({self._ran(trial)} so far)")
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        epoch = self._epoch(trial)
-        how = "finished" if epoch >= self.max_epochs else f"stopped by the scheduler after epoch {epoch}"
+        result = trial.last_result or {}
+        epoch, rule = self._epoch(trial), result.get("stopped_by")
+        if rule:  # the trial trained to its end: its own stopping rule (or cap, or schedule) ended it
+            best = f", best epoch {int(result['best_epoch'])}" if result.get("best_epoch") else ""
+            how = f"done after epoch {epoch}: stopped by {rule}{best}"
+        elif result.get("trial_complete"):  # scored by an earlier attempt (its record predates stopped_by)
+            how = f"done after epoch {epoch}"
+        else:
+            how = f"stopped by the scheduler after epoch {epoch}"
         self._say(f"trial {self.name_of(trial)}: {how} in {self._ran(trial)}")
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:

@@ -279,7 +279,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         test = summary.test.get(lc.test_split) or next(iter(summary.test.values()), None)
         final.update({"test_bleu": test.bleu if test else float("nan"),
                       "test_chrf": test.chrf if test else float("nan"), "trial_complete": 1.0,
-                      "node_ids": ",".join(node_ids)})
+                      "node_ids": ",".join(node_ids), "stopped_by": summary.fit.stopped_by,
+                      "best_epoch": float(summary.fit.best_epoch)})
         if borrow is not None and tracker is not None:
             tracker.set_tags({schema.MAX_THREADS: borrow.max_threads})  # > train.num_threads: idle CPUs were used
         reporter.report(first_keys(final, epoch=float(summary.epochs), metric=lc.metric))
