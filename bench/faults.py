@@ -88,7 +88,7 @@ def signalled(sig: signal.Signals, argv: Callable[[World], list[str]], when: Cal
             proc = subprocess.Popen([sys.executable, "-m", "nmtcore.cli", *args], cwd=REPO, text=True,
                                     stdin=fin, stdout=fout, stderr=ferr, env=ENV)
             t0 = time.time()
-            while not when(w) and proc.poll() is None and time.time() - t0 < 300:
+            while not (handles(proc.pid, sig) and when(w)) and proc.poll() is None and time.time() - t0 < 300:
                 time.sleep(0.2)
             time.sleep(0.5)
             if proc.poll() is None:
@@ -100,10 +100,26 @@ def signalled(sig: signal.Signals, argv: Callable[[World], list[str]], when: Cal
     return run
 
 
+def handles(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has installed a handler for ``sig`` yet (``SigCgt`` in /proc): a signal sent
+    earlier, while the interpreter is still importing, kills it the default way, which no program can help."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(caught >> (int(sig) - 1) & 1)
+
+
 def first_line(r: subprocess.CompletedProcess) -> str:
     """The error line (argparse's after its usage lines), else the first line that is not a log record."""
     lines = [line for line in r.stderr.splitlines() if line.strip() and not LOG_RECORD.match(line)]
     lines = [line for line in lines if re.match(r"\S+: (error|stopped by)", line)] or lines
+    if r.returncode == 0:  # a success: its warning if it gave one, else what it printed
+        warnings = [line for line in r.stderr.splitlines() if " WARNING " in line]
+        if warnings:
+            return "WARNING " + warnings[0].split(" WARNING ", 1)[1]
+        return "(the run's summary, JSON on stdout)" if r.stdout.startswith("{") else (r.stdout.splitlines() or [""])[0]
     return lines[0] if lines else (r.stdout.splitlines() or [""])[0]
 
 
@@ -140,6 +156,18 @@ def corpus_with(w: World, edit: Callable[[Path], None]) -> Path:
         shutil.copytree(w.root / "data", data)
     edit(data)
     return data
+
+
+def truncated_checkpoint(w: World) -> Path:
+    """The trained checkpoint's first 5000 bytes, with the whole one's checksum file (a copy cut short)."""
+    src = w.checkpoint()
+    write(w, "cut.pt.sha256", src.with_name(src.name + ".sha256").read_bytes())
+    return write(w, "cut.pt", src.read_bytes()[:5000])
+
+
+def translated(w: World) -> str:
+    out = w.root / "out" / "hyp.txt"
+    return f"{len(out.read_text().splitlines())} lines translated" if out.exists() else "no output"
 
 
 def long_line(w: World) -> str:
@@ -206,25 +234,25 @@ CASES = [
     # translate
     Case("ckpt-missing", "a checkpoint that does not exist", 2,
          cli("translate", "--checkpoint", lambda w: w.root / "none.pt", stdin="ka lo\n"), nothing),
-    Case("ckpt-truncated", "a truncated checkpoint", 2,
-         cli("translate", "--checkpoint", lambda w: write(w, "cut.pt", w.checkpoint().read_bytes()[:5000]),
-             stdin="ka lo\n"), nothing),
+    Case("ckpt-truncated", "a checkpoint cut short, its checksum file beside it", 2,
+         cli("translate", "--checkpoint", lambda w: truncated_checkpoint(w), stdin="ka lo\n"), nothing),
     Case("ckpt-not-torch", "a text file given as the checkpoint", 2,
          cli("translate", "--checkpoint", lambda w: write(w, "text.pt", "hello\n"), stdin="ka lo\n"), nothing),
     Case("long-line", "one source line longer than the model's positions", 0,
          cli("translate", "--checkpoint", lambda w: w.checkpoint(), "--output", lambda w: w.root / "out" / "hyp.txt",
-             "--set", "decode.beam=1", stdin=long_line), lambda w: f"{len((w.root / 'out' / 'hyp.txt').read_text().splitlines())} lines translated" if (w.root / "out" / "hyp.txt").exists() else "no output"),
+             "--set", "decode.beam=1", stdin=long_line), translated),
     Case("input-missing", "--input naming no file", 2,
          cli("translate", "--checkpoint", lambda w: w.checkpoint(), "--input", lambda w: w.root / "none.txt"), nothing),
     Case("output-dir", "--output naming a directory", 2,
          cli("translate", "--checkpoint", lambda w: w.checkpoint(), "--output", lambda w: w.root, stdin="ka lo\n"),
          nothing),
     Case("decode-bad", "decode.beam=0", 2,
-         cli("translate", "--checkpoint", lambda w: w.checkpoint(), "--set", "decode.beam=0", stdin="ka lo\n"), nothing),
+         cli("translate", "--checkpoint", lambda w: w.checkpoint(), "--set", "decode.beam=0", stdin="ka lo\n"),
+         nothing),
     Case("sigterm-translate", "SIGTERM while decoding", 143,
          signalled(signal.SIGTERM, lambda w: ["translate", "--checkpoint", w.checkpoint(), "--output",
                                               w.root / "out" / "hyp.txt", "--set", "decode.beam=8"],
-                   lambda w: time.sleep(4) or True, stdin=lambda w: "ka lo mi nu pe ra si\n" * 20000), nothing),
+                   lambda w: time.sleep(3) or True, stdin=lambda w: "ka lo mi nu pe ra si\n" * 20000), nothing),
     # evaluate
     Case("eval-uneven", "hypotheses and references of different lengths", 2,
          cli("evaluate", "--hyp", lambda w: write(w, "h.txt", "a\nb\n"), "--ref", lambda w: write(w, "r.txt", "a\n")),
@@ -270,11 +298,13 @@ def main() -> int:
             argv, r = result if isinstance(result, tuple) else (["(two commands)"], result)
             if w._checkpoint is not None:
                 shared["checkpoint"] = w._checkpoint
-            line = first_line(r).replace(str(root), "<dir>").replace("|", "\\|")
-            command = " ".join(argv).replace(str(root), "<dir>").replace(sys.executable, "python")
+            def short(text: str) -> str:
+                return text.replace(str(root), "<dir>").replace(tmp, "<tmp>").replace(sys.executable, "python")
+
+            line, command = short(first_line(r)).replace("|", "\\|"), short(" ".join(argv))
             ok = r.returncode == case.expect and (case.expect == 0 or line.startswith(ERROR_PREFIXES))
             wrong += not ok
-            print(f"| {case.name} | {case.what} | `{command[:110]}` | {r.returncode}"
+            print(f"| {case.name} | {case.what} | `{command[:170]}` | {r.returncode}"
                   f"{'' if ok else f' (expected {case.expect})'} | {line[:200]} | {case.kept(w)} |", flush=True)
     print(f"\n{len(cases)} cases, {wrong} ended otherwise than expected")
     return 1 if wrong else 0
