@@ -36,7 +36,7 @@ from nmtcore.tracking import (
     terminate_run,
 )
 from nmtcore.tracking import schema
-from nmtcore.tracking.store import (
+from nmtcore.tracking.runs import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING_KIND,
     NOTE_TAG,

@@ -13,7 +13,8 @@ from nmtcore.diagnostics import PREFIX, measure
 from nmtcore.engine import Callback
 from nmtcore.tracking import schema
 from nmtcore.tracking.provenance import provenance_tags
-from nmtcore.tracking.store import Tracker, get_run_metrics
+from nmtcore.tracking.runs import get_run_metrics
+from nmtcore.tracking.store import Tracker
 
 if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
