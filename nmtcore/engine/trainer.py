@@ -11,6 +11,10 @@ Adam + inverse-sqrt schedule with the rate set per update, token-budget batches 
 from ``(seed, epoch)``. Checkpoints hold everything needed to continue bit-identically: model,
 optimizer, update counter, early-stopping state and the torch RNG state (dropout). Phases are data
 (:mod:`nmtcore.engine.phases`).
+
+One module of ~550 lines, on purpose: the update, validation, checkpointing, resume and the stopping rule share
+the trainer's state and are read together when a run misbehaves; what stands alone lives beside it (losses,
+optim, phases, stopping, summary, warm_start).
 """
 
 from __future__ import annotations

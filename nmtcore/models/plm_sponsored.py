@@ -88,6 +88,9 @@ layers, PLM dropout 0.3, 400k updates). Deliberate departures from the paper, ea
 FWET (Algorithm 1) is a preprocessing step: :mod:`nmtcore.models.fwet`, run by :meth:`PlmSponsored.prepare`.
 
 The target BERT is resolved, or made here, by :meth:`PlmSponsored.prepare` before the model is built.
+
+One file for the family (~530 lines, most of it this docstring and the paper's components), as every model
+family has one: the coordinator, the gates and the heads are read against the paper's equations together.
 """
 
 from __future__ import annotations
