@@ -182,9 +182,14 @@ class ScriptedValidation:
     """Stand-ins for an epoch's training (nothing trained) and validation (``losses`` in order): the
     trainer's stopping logic on a known validation curve."""
 
-    def __init__(self, trainer, losses):
+    def __init__(self, trainer, losses, updates_per_epoch=10):
         self.losses = iter(losses)
-        trainer.train_epoch = lambda epoch: {"num_updates": float(trainer.state.num_updates)}
+
+        def epoch_of_updates(epoch):
+            trainer.state.num_updates += updates_per_epoch  # as training would: the warm-up runs out
+            return {"num_updates": float(trainer.state.num_updates)}
+
+        trainer.train_epoch = epoch_of_updates
         trainer.validate = lambda: {"valid_loss": next(self.losses)}
 
 
@@ -193,7 +198,9 @@ def test_phase_three_early_stopping_fires_on_a_plateau_and_only_there(tmp_path):
     does not stop the run; the first epoch of the fine-tuning phase that fails to improve does."""
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
                                        "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [2, 1, 5],
-                                       "train.max_epochs": 8, "train.patience": 1, "train.num_threads": 1})
+                                       "train.max_epochs": 8, "train.patience": 1, "train.num_threads": 1,
+                                       # the warm-up ends in epoch 1: epochs inside it never count against patience
+                                       "train.warmup_updates": 5})
     trainer = make_trainer(cfg)
     assert [p.early_stop for p in trainer.phases] == [False, False, True]
     ScriptedValidation(trainer, [3.0, 3.0, 2.5, 2.4, 2.4, 2.0, 2.0, 2.0])  # plateau at 2 and at 5
