@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from nmtcore.sweep import driver
-from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
+from nmtcore.testing.sweeps import listening_sockets, runs_of, tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid
 
 pytestmark = pytest.mark.slow
@@ -255,18 +255,6 @@ SWEEP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def listening_addresses(pid: int) -> set[str]:
-    """The addresses the process ``pid`` and its descendants listen on (TCP)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    out = set()
-    for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            out |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-    return out
-
-
 def test_ray_dashboard_signs_in_with_the_printed_token_and_lists_the_sweep(browser, tmp_path):
     t0 = time.perf_counter()
     token = tmp_path / "ray_token"  # the sweep's own token: ~/.ray/auth_token is left alone
@@ -300,7 +288,8 @@ def test_ray_dashboard_signs_in_with_the_printed_token_and_lists_the_sweep(brows
         wait_line(r"then open:")  # the pre-sweep tasks are done; the trials are starting
         t_trials = time.perf_counter()
         # Every port of the sweep's local cluster listens on 127.0.0.1 only.
-        assert listening_addresses(proc.pid) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening_addresses(proc.pid)
+        addresses = {ip for ip, _ in listening_sockets(proc.pid)}
+        assert addresses <= {"127.0.0.1", "::ffff:127.0.0.1"}, addresses
 
         ctx = browser.new_context(viewport=VIEWPORT)
         page = ctx.new_page()

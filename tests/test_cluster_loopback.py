@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psutil
+from nmtcore.testing.sweeps import listening_sockets
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = """
@@ -29,17 +29,6 @@ sys.stdin.readline()
 ray_backend.shutdown_ray()
 """
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket that ``pid`` and its descendants listen on."""
-    root = psutil.Process(pid)
-    out = set()
-    for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            out |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
-                    if c.status == psutil.CONN_LISTEN}
-    return out
 
 
 def status(url: str, token: str | None) -> int:
@@ -69,7 +58,7 @@ def test_a_local_cluster_listens_on_loopback_only_and_its_dashboard_wants_the_to
                 break
         url = seen[-1].split()[1] if seen and seen[-1].startswith("DASHBOARD ") else ""
         assert url.startswith("http://127.0.0.1:"), "".join(seen)
-        sockets = listening(proc.pid)
+        sockets = listening_sockets(proc.pid)
         port = int(url.rsplit(":", 1)[1])
         assert ("127.0.0.1", port) in sockets and len(sockets) >= 4, sockets  # the dashboard, the GCS, raylet...
         assert {ip for ip, _ in sockets} <= LOOPBACK, sorted(sockets)

@@ -12,7 +12,7 @@ from ``(seed, epoch)``. Checkpoints hold everything needed to continue bit-ident
 optimizer, update counter, early-stopping state and the torch RNG state (dropout). Phases are data
 (:mod:`nmtcore.engine.phases`).
 
-One module of ~550 lines, on purpose: the update, validation, checkpointing, resume and the stopping rule share
+One module, on purpose: the update, validation, checkpointing, resume and the stopping rule share
 the trainer's state and are read together when a run misbehaves; what stands alone lives beside it (losses,
 optim, phases, stopping, summary, warm_start).
 """
@@ -262,10 +262,10 @@ class Trainer:
             sums += torch.stack([lo.loss.detach(), lo.nll.detach()]).double()
             n_tokens += lo.n_tokens
         loss_sum, nll_sum = sums.tolist()
-        if diverged(loss_sum / max(n_tokens, 1) / math.log(2)):
+        bits = loss_sum / max(n_tokens, 1) / math.log(2)
+        if diverged(bits):
             self.optimizer.zero_grad(set_to_none=True)
-            raise self.divergence("training loss", loss_sum / max(n_tokens, 1) / math.log(2),
-                                  self.state.num_updates + 1)
+            raise self.divergence("training loss", bits, self.state.num_updates + 1)
         if self.world_size > 1:
             # DDP averages gradients over ranks; rescale so the update is (Σ loss) / (Σ tokens).
             total = torch.tensor([n_tokens], dtype=torch.float64, device=self.device)
@@ -503,8 +503,8 @@ class Trainer:
         elif s.num_updates > self.cfg.train.warmup_updates:
             s.bad_epochs += 1
         # An epoch that ends inside the learning-rate warm-up never counts against patience: a rising rate makes a
-        # trained model worse before it makes it better (the papers' second stage restarts the whole warm-up on
-        # the converged baseline, 3.4 epochs of Multi30k: longer than a patience of 3 epochs).
+        # trained model worse before it makes it better, and the papers' second stage restarts the whole warm-up
+        # on the converged baseline (docs/convergence.md).
 
     def phase_starts(self) -> dict[str, int]:
         """The epoch each phase of the schedule began in this run (from the epoch history, which a resume

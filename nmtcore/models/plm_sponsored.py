@@ -89,8 +89,8 @@ FWET (Algorithm 1) is a preprocessing step: :mod:`nmtcore.models.fwet`, run by :
 
 The target BERT is resolved, or made here, by :meth:`PlmSponsored.prepare` before the model is built.
 
-One file for the family (~530 lines, most of it this docstring and the paper's components), as every model
-family has one: the coordinator, the gates and the heads are read against the paper's equations together.
+One file for the family, as every model family has one (most of it this docstring and the paper's components):
+the coordinator, the gates and the heads are read against the paper's equations together.
 """
 
 from __future__ import annotations

@@ -121,12 +121,10 @@ def trial_memory(cfg: ExperimentConfig, bert: BertFootprint | None = None) -> Me
         fused = m.encoder_layers + m.decoder_layers  # an upper bound: every NMT layer attends to BERT
         params += fused * (2 * d * d + 2 * d * bert.hidden + 4 * d)
         acts += wordpieces * FLOAT * fused * BERT_ATTENTION_FLOATS * d
-        fine_tuned = traits.bert_fine_tuned
         # A second, fine-tuned BERT (PLM-sponsored's target side) is counted at the source BERT's size.
-        copies = traits.berts
-        bert_weights = copies * bert.weight_bytes * (4 if fine_tuned else 1)
-        if fine_tuned:
-            acts += copies * wordpieces * FLOAT * bert.layers * (BERT_LAYER_FLOATS[0] * bert.hidden
-                                                                 + BERT_LAYER_FLOATS[1] * bert.intermediate)
+        bert_weights = traits.berts * bert.weight_bytes * (4 if traits.bert_fine_tuned else 1)
+        if traits.bert_fine_tuned:
+            acts += traits.berts * wordpieces * FLOAT * bert.layers * (BERT_LAYER_FLOATS[0] * bert.hidden
+                                                                        + BERT_LAYER_FLOATS[1] * bert.intermediate)
     return MemoryEstimate(process=PROCESS_BYTES, weights=params * 16 + bert_weights, activations=acts)
 

@@ -28,3 +28,19 @@ def runs_of(experiment: str, uri: str) -> tuple[list[tracking.RunRecord], list[t
     """(parent runs, child runs) of an MLflow experiment."""
     runs = tracking.load_runs(experiment, uri)
     return [r for r in runs if r.parent_run_id is None], [r for r in runs if r.parent_run_id is not None]
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket that process ``pid`` and its descendants listen on: what a local Ray
+    cluster exposes."""
+    import contextlib
+
+    import psutil
+
+    root = psutil.Process(pid)
+    out = set()
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            out |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN}
+    return out
