@@ -322,3 +322,70 @@ def test_stacked_states_are_the_same_from_the_cache_and_per_layer_on_either_laye
             torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="layer axis"):
         cached.stack(1, dim=3)
+
+
+# ------------------------------------------------------------------------------ shared truncations
+def test_one_pass_of_a_bert_builds_its_truncations_features_bit_for_bit(tmp_path: Path, setup) -> None:
+    """The size grid's L2 and L4 of one encoder: the L4 pass also writes L2's entries, under L2's own keys, and
+    they are byte for byte what L2's own pass writes; L2's BERT never runs."""
+    from nmtcore.bert.layer import attach_shared_features
+    from nmtcore.bert.truncate import truncate
+
+    _, cfg, data = setup
+    full_dir = save_tiny_bert(tmp_path / "full", layers=4)
+    cut_dir = truncate("tiny", full_dir, 2, tmp_path / "trunc")
+    other_dir = save_tiny_bert(tmp_path / "other", layers=2, seed=1)  # same shape, other weights: no truncation
+    ws = word_start_table(data.vocab)
+
+    def stream(bert_dir: Path, layers=(-1,)):
+        layer = BertLayer(BertConfig(name=str(bert_dir)), layers=layers)
+        return layer, {name: layer.encode_split(split, ws, data) for name, split in data.splits.items()}
+
+    (full, full_in), (cut, cut_in), (other, other_in) = stream(full_dir), stream(cut_dir), stream(other_dir)
+    assert cut.truncates(full) and full.truncates(full) and not full.truncates(cut) and not other.truncates(full)
+    runs = {"full": 0, "cut": 0, "other": 0}
+    for name, layer in (("full", full), ("cut", cut), ("other", other)):
+        layer.bert.register_forward_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
+
+    shared = FeatureCache(tmp_path / "shared")
+    for name in data.splits:
+        attach_shared_features(shared, name, [(full, full_in[name]), (cut, cut_in[name]), (other, other_in[name])])
+    assert runs["cut"] == 0 and runs["full"] > 0 and runs["other"] > 0  # `other` built its own
+
+    alone = FeatureCache(tmp_path / "alone")
+    _, cut_alone = stream(cut_dir)
+    for name in data.splits:
+        cut.attach_features(alone, name, cut_alone[name])
+        full.attach_features(alone, name, full_in[name])  # replaces full_in's store by the alone one
+    for name in data.splits:
+        a, b = cut_in[name].features, cut_alone[name].features
+        assert a.path.name == b.path.name  # the same key: a trial of L2 finds the shared build's entry
+        assert a.layers == (2,) and np.array_equal(np.asarray(a.features), np.asarray(b.features))
+        assert np.array_equal(a.offsets, b.offsets)
+    # The full BERT's own entries were written by the shared pass too: the alone cache's copy equals it.
+    for name in data.splits:
+        entry = shared.entry(full.features_key(full_in[name]))
+        assert np.array_equal(np.load(entry / "features.npy"), np.asarray(full_in[name].features.features))
+
+
+def test_the_pre_sweep_task_builds_its_truncations_in_its_pass(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``build_features`` of the deeper BERT with the shallower as ``shallower``: every entry a trial of either
+    reads exists afterwards, and the shallower's own build then only hits the cache."""
+    from nmtcore.bert.truncate import truncate
+    from nmtcore.sweep.cost import missing_features
+    from nmtcore.sweep.pre_sweep import build_features
+
+    full_dir = save_tiny_bert(tmp_path / "full", layers=4)
+    cut_dir = truncate("tiny", full_dir, 2, tmp_path / "trunc")
+    deep, shallow = (tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": str(d),
+                                                  "data.max_tokens": 300}) for d in (full_dir, cut_dir))
+    assert missing_features(shallow, prepare_data(shallow.data))[0] > 0
+    with caplog.at_level(logging.INFO, logger="nmtcore"):
+        assert build_features(deep, shallower=[shallow])
+    assert any("computed in the same pass" in r.message for r in caplog.records)
+    assert missing_features(shallow, prepare_data(shallow.data))[0] == 0
+    assert missing_features(deep, prepare_data(deep.data))[0] == 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
+        assert build_features(shallow)
+    assert not any("computed" in r.message for r in caplog.records)

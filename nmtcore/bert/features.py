@@ -17,10 +17,13 @@ An entry is built under ``.tmp-<digest>-<pid>-*`` and renamed into place only on
 killed mid-write leaves a temporary directory that is never read (and is removed by the next build once
 its process is gone). Builders of the same key serialise on ``<digest>.lock``; the second one finds the
 first one's entry. A present entry whose files do not match its ``meta.json`` is treated as a miss.
+:meth:`FeatureCache.get_or_build_shared` writes several entries of one split from one pass: a BERT and its
+bottom truncations (the size grid's L2 and L4 of one encoder), each under its own key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +31,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -85,6 +88,7 @@ class FeatureStore:
     def __init__(self, features: np.ndarray, offsets: np.ndarray, layers: tuple[int, ...],
                  index: np.ndarray | None = None, path: Path | None = None) -> None:
         self.features, self.offsets, self.layers, self.index, self.path = features, offsets, layers, index, path
+        self.build_s: float | None = None  # seconds this process spent computing it (None: read from the cache)
 
     def __len__(self) -> int:
         return len(self.index) if self.index is not None else len(self.offsets) - 1
@@ -107,6 +111,16 @@ class FeatureStore:
         idx = np.asarray(indices, dtype=np.int64)
         return FeatureStore(self.features, self.offsets, self.layers,
                             self.index[idx] if self.index is not None else idx, self.path)
+
+
+@dataclass(frozen=True)
+class SharedEntry:
+    """One entry of a shared build (:meth:`FeatureCache.get_or_build_shared`): its key, which of the pass's
+    layers it keeps (positions in what ``compute`` returns) and what its meta.json says of it."""
+
+    key: FeatureKey
+    picks: tuple[int, ...]
+    describe: Mapping[str, Any]
 
 
 ComputeFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (ids, mask, segments) (B, T) → (B, T, K, H)
@@ -142,42 +156,65 @@ class FeatureCache:
                      describe: Mapping[str, Any] | None = None, batch_tokens: int = BUILD_TOKENS) -> FeatureStore:
         """The features of ``inputs`` under ``key``: loaded if cached, else computed with ``compute`` (a
         frozen BERT in eval mode) and written atomically first."""
-        store = self.load(key, len(inputs))
-        if store is not None:
-            log.info("BERT features %s: cache hit (%s)", (describe or {}).get("split", ""), store.path)
-            return store
-        digest = key.digest()
-        with file_lock(self.root / f"{digest}.lock"):  # one builder per key; the others wait, then load its entry
-            store = self.load(key, len(inputs))
+        entry = SharedEntry(key, tuple(range(len(key.layers))), describe or {})
+        return self.get_or_build_shared([entry], inputs, compute, batch_tokens)[0]
+
+    def get_or_build_shared(self, entries: Sequence[SharedEntry], inputs: BertInputs, compute: ComputeFn,
+                            batch_tokens: int = BUILD_TOKENS) -> list[FeatureStore]:
+        """Several entries over the same ``inputs`` from one pass of ``compute``: each loaded if cached, the
+        missing ones computed together, entry j keeping the layers ``entries[j].picks`` of what ``compute``
+        returns. One pass of a BERT thus serves its bottom truncations (their hidden states are its own).
+        The missing entries' locks are taken in digest order, so two shared builds never wait on each other."""
+        stores: list[FeatureStore | None] = [self.load(e.key, len(inputs)) for e in entries]
+        for e, store in zip(entries, stores):
             if store is not None:
-                return store
-            for _ in range(remove_stale_temporaries(self.root, digest)):
-                log.info("removed a directory left by an interrupted feature-cache write under %s", self.root)
-            final = self.entry(key)
-            t0 = time.perf_counter()
-            # A present but unusable entry (see load) is replaced.
-            with atomic_directory(final, keep_existing=False) as tmp:
-                _build(tmp, key, inputs, compute, batch_tokens, describe or {})
-            log.info("BERT features %s: computed %d sentences in %.1f s -> %s", (describe or {}).get("split", ""),
-                     len(inputs), time.perf_counter() - t0, final)
-        store = self.load(key, len(inputs))
-        if store is None:  # pragma: no cover - would be a bug in _build
-            raise RuntimeError(f"feature cache entry {final} unreadable right after writing it")
-        return store
+                log.info("BERT features %s: cache hit (%s)", e.describe.get("split", ""), store.path)
+        missing = [j for j, s in enumerate(stores) if s is None]
+        if not missing:
+            return [s for s in stores if s is not None]
+        digests = sorted({entries[j].key.digest() for j in missing})
+        with contextlib.ExitStack() as locks:
+            for digest in digests:  # one builder per key; the others wait, then load its entry
+                locks.enter_context(file_lock(self.root / f"{digest}.lock"))
+            for j in missing:
+                stores[j] = self.load(entries[j].key, len(inputs))
+            build = [j for j in missing if stores[j] is None]
+            if build:
+                for digest in digests:
+                    for _ in range(remove_stale_temporaries(self.root, digest)):
+                        log.info("removed a directory left by an interrupted feature-cache write under %s", self.root)
+                t0 = time.perf_counter()
+                # A present but unusable entry (see load) is replaced.
+                with contextlib.ExitStack() as dirs:
+                    tmps = [dirs.enter_context(atomic_directory(self.entry(entries[j].key), keep_existing=False))
+                            for j in build]
+                    _build(tmps, [entries[j] for j in build], inputs, compute, batch_tokens)
+                build_s = time.perf_counter() - t0
+                for j in build:
+                    log.info("BERT features %s: computed %d sentences in %.1f s -> %s",
+                             entries[j].describe.get("split", ""), len(inputs), build_s, self.entry(entries[j].key))
+                    store = self.load(entries[j].key, len(inputs))
+                    if store is None:  # pragma: no cover - would be a bug in _build
+                        raise RuntimeError(f"feature cache entry {self.entry(entries[j].key)} unreadable right after "
+                                           "writing it")
+                    store.build_s = build_s
+                    stores[j] = store
+        return [s for s in stores if s is not None]
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d))  # tuples → lists, as meta.json stores them
 
 
-def _build(tmp: Path, key: FeatureKey, inputs: BertInputs, compute: ComputeFn, batch_tokens: int,
-           describe: Mapping[str, Any]) -> None:
+def _build(tmps: Sequence[Path], entries: Sequence[SharedEntry], inputs: BertInputs, compute: ComputeFn,
+           batch_tokens: int) -> None:
     lens = inputs.lens  # (N,)
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     n_tokens = int(offsets[-1])
     order = np.argsort(lens, kind="stable")  # length-sorted batches waste little padding
-    features: np.ndarray | None = None
+    features: list[np.ndarray] | None = None
+    split = entries[0].describe.get("split", "")
     start = 0
     t_line = time.monotonic()
     while start < len(order):
@@ -194,27 +231,33 @@ def _build(tmp: Path, key: FeatureKey, inputs: BertInputs, compute: ComputeFn, b
         mask = np.arange(T)[None, :] >= lens[idx][:, None]  # (b, T) True = padding
         out = compute(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(seg))  # (b, T, K, H)
         if features is None:
-            K, H = out.shape[2], out.shape[3]
-            if K != len(key.layers):
-                raise ValueError(f"compute returned {K} layers, the key has {len(key.layers)}")
-            features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16,
-                                                 shape=(n_tokens, K, H))
+            features = []
+            for tmp, e in zip(tmps, entries):
+                if len(e.picks) != len(e.key.layers) or max(e.picks) >= out.shape[2]:
+                    raise ValueError(f"compute returned {out.shape[2]} layers; an entry keeps positions {e.picks} "
+                                     f"for its key's {len(e.key.layers)} layers")
+                features.append(np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16,
+                                                          shape=(n_tokens, len(e.picks), out.shape[3])))
         out16 = out.to(torch.float16).numpy()
-        for b, i in enumerate(idx):
-            features[offsets[i]: offsets[i + 1]] = out16[b, : lens[i]]
+        for e, feats in zip(entries, features):
+            kept = out16[:, :, list(e.picks)]
+            for b, i in enumerate(idx):
+                feats[offsets[i]: offsets[i + 1]] = kept[b, : lens[i]]
         start = end
         if time.monotonic() - t_line >= PROGRESS_S and start < len(order):
             t_line = time.monotonic()
-            log.info("BERT features %s: sentences %d/%d", describe.get("split", ""), start, len(order))
-    if features is None:  # an empty split: nothing to compute, but the entry must still exist
-        features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(0, len(key.layers), 0))
-    features.flush()
-    shape = list(features.shape)
+            log.info("BERT features %s: sentences %d/%d", split, start, len(order))
+    if features is None:  # an empty split: nothing to compute, but the entries must still exist
+        features = [np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16,
+                                              shape=(0, len(e.key.layers), 0)) for tmp, e in zip(tmps, entries)]
+    for tmp, e, feats in zip(tmps, entries, features):
+        feats.flush()
+        shape = list(feats.shape)
+        np.save(tmp / "offsets.npy", offsets)
+        for name in ("features.npy", "offsets.npy"):
+            fsync_path(tmp / name)
+        meta = {"key": {"format": CACHE_FORMAT, **_plain(asdict(e.key))}, "shape": shape, "sentences": len(lens),
+                "dtype": "float16", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **dict(e.describe)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        fsync_path(tmp / "meta.json")
     del features
-    np.save(tmp / "offsets.npy", offsets)
-    for name in ("features.npy", "offsets.npy"):
-        fsync_path(tmp / name)
-    meta = {"key": {"format": CACHE_FORMAT, **_plain(asdict(key))}, "shape": shape, "sentences": len(lens),
-            "dtype": "float16", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **dict(describe)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    fsync_path(tmp / "meta.json")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from nmtcore.bert.features import FeatureCache, FeatureKey, inputs_checksum, weights_fingerprint
+from nmtcore.bert.features import FeatureCache, FeatureKey, SharedEntry, inputs_checksum, weights_fingerprint
 from nmtcore.bert.resolve import BertError, BertSpec, ResolvedBert, resolve_bert
 from nmtcore.bert.wordpiece import WordPieceEncoder, nmt_word_index, word_start_table
 from nmtcore.config import BertConfig
@@ -194,6 +194,21 @@ class BertLayer(nn.Module):
         """SHA-256 of the BERT's current weights (what cached features are keyed by)."""
         return weights_fingerprint(self.bert)
 
+    def truncates(self, other: "BertLayer") -> bool:
+        """Whether this BERT is ``other``'s bottom layers (a truncation, or the same BERT): the same
+        architecture but for its depth, the same tokenization and maximum length, and every tensor of its state
+        equal to ``other``'s. Its hidden states 0..L are then ``other``'s, so one pass of ``other`` computes
+        both (:func:`attach_shared_features`)."""
+        mine, theirs = self.resolved.hf_config().to_dict(), other.resolved.hf_config().to_dict()
+        ignored = {"num_hidden_layers", "_name_or_path"}
+        if (self.num_layers > other.num_layers or self.max_length != other.max_length
+                or {k: v for k, v in mine.items() if k not in ignored}
+                != {k: v for k, v in theirs.items() if k not in ignored}):
+            return False
+        own, full = self.bert.state_dict(), other.bert.state_dict()
+        return all(name in full and full[name].dtype == t.dtype and torch.equal(full[name], t)
+                   for name, t in own.items())
+
     @staticmethod
     def _after_load(module: "BertLayer", incompatible: Any) -> None:
         # Weights loaded from a checkpoint: cached features stay valid only for identical weights.
@@ -235,26 +250,32 @@ class BertLayer(nn.Module):
                                              describe={"bert": str(self.resolved.spec), "path": str(self.resolved.path),
                                                        "split": split_name})
 
-    @torch.no_grad()
     def _compute_features(self, ids: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
+        return self._compute_states(ids, mask, segments, self.layers)
+
+    @torch.no_grad()
+    def _compute_states(self, ids: Tensor, mask: Tensor, segments: Tensor, layers: Sequence[int]) -> Tensor:
+        """Hidden states ``layers`` of a batch in eval mode, stacked (B, Tb, K, H) on the CPU."""
         was_training = self.bert.training
         self.bert.eval()
         try:
             device = next(self.bert.parameters()).device
-            states = self.run(ids.to(device), mask.to(device), segments.to(device))
+            states = self.run(ids.to(device), mask.to(device), segments.to(device), layers)
         finally:
             self.bert.train(was_training)
         return torch.stack(states, dim=2).cpu()  # (B, Tb, K, H)
 
     # ------------------------------------------------------------------ forward
-    def run(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None) -> tuple[Tensor, ...]:
-        """Run BERT: ids/mask/segments (B, Tb), mask True = padding → the requested states, each (B, Tb, H)."""
+    def run(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None,
+            layers: Sequence[int] | None = None) -> tuple[Tensor, ...]:
+        """Run BERT: ids/mask/segments (B, Tb), mask True = padding → the states ``layers`` (default: the
+        requested ones), each (B, Tb, H)."""
         types = {"token_type_ids": segments} if self.segments else {}
         if ids.is_cuda:
             shape_free_cuda_attention()
         out = self.bert(input_ids=ids, attention_mask=(~mask).long(), output_hidden_states=True, return_dict=True,
                         **types)
-        return tuple(out.hidden_states[i] for i in self.layers)
+        return tuple(out.hidden_states[i] for i in (self.layers if layers is None else layers))
 
     def forward(self, batch: "Batch") -> BertOut:
         x = batch.extras
@@ -339,10 +360,38 @@ def release_unusable_features(model: nn.Module, data: PreparedData) -> bool:
     return released
 
 
-def prepare_bert_inputs(model: nn.Module, data: PreparedData, use_cache: bool | None = None) -> BertLayer | None:
+def attach_shared_features(cache: FeatureCache, split_name: str, members: Sequence[tuple[BertLayer, BertInputs]]) -> None:
+    """:meth:`BertLayer.attach_features` for several BERTs over one split, each with its own stream of it: the
+    members that are bottom truncations of the deepest (:meth:`BertLayer.truncates`) and read the same tokens
+    have their missing features computed in one pass of the deepest, each stored under its own key, bit for
+    bit what a pass of its own computes (same batches, same layers); any other member builds its own."""
+    if not members:
+        return
+    deepest = max(members, key=lambda m: m[0].num_layers)[0]
+    tokens = inputs_checksum(next(inp for layer, inp in members if layer is deepest))
+    shared = [(layer, inp) for layer, inp in members
+              if layer.cache_wanted and (layer is deepest or (inputs_checksum(inp) == tokens and layer.truncates(deepest)))]
+    for layer, inp in members:
+        if layer.cache_wanted and all(layer is not s for s, _ in shared):
+            layer.attach_features(cache, split_name, inp)
+    if not shared:
+        return
+    union = tuple(sorted({i for layer, _ in shared for i in layer.layers}))
+    entries = [SharedEntry(layer.features_key(inp), tuple(union.index(i) for i in layer.layers),
+                           {"bert": str(layer.resolved.spec), "path": str(layer.resolved.path), "split": split_name})
+               for layer, inp in shared]
+    stores = cache.get_or_build_shared(
+        entries, shared[0][1], lambda ids, mask, seg: deepest._compute_states(ids, mask, seg, union))
+    for (_, inp), store in zip(shared, stores):
+        inp.features = store
+
+
+def prepare_bert_inputs(model: nn.Module, data: PreparedData, use_cache: bool | None = None,
+                        stream_only: bool = False) -> BertLayer | None:
     """Give every split of ``data`` the BERT stream of the model's BertLayer (none: nothing to do) and,
     when its BERT is frozen with the cache on, the cached features (computed once, on disk under
-    ``data.cache_dir/bert_features``). ``use_cache=False`` forces recomputing every step."""
+    ``data.cache_dir/bert_features``). ``use_cache=False`` forces recomputing every step. ``stream_only``: the
+    stream and nothing else, for a caller that looks up or builds the features itself."""
     layers = bert_layers(model)
     if not layers:
         for split in data.splits.values():
@@ -360,6 +409,8 @@ def prepare_bert_inputs(model: nn.Module, data: PreparedData, use_cache: bool | 
         split.bert = bl.encode_split(split, ws, data)
     log.info("BERT stream of %d splits built in %.1f s (max_length %d)", len(data.splits),
              time.perf_counter() - t0, bl.max_length)
+    if stream_only:
+        return bl
     if (bl.cache_wanted if use_cache is None else use_cache and bl.cache_wanted):
         cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
         for name, split in data.splits.items():

@@ -39,6 +39,7 @@ PROBE_WARMUP = 1  # updates not timed (first-call allocations)
 PROBE_STEPS = 3  # updates timed
 PROBE_DECODE = 48  # validation sentences decoded greedily
 PROBE_OTHER_SENTENCES = 48  # every split but train is cut to this for the probe's BERT features
+FEATURE_PROBE_SENTENCES = 1024  # training sentences whose BERT features time a feature build
 
 
 @dataclass(frozen=True)
@@ -225,12 +226,13 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
             small = probe_data(data, cfg, Path(tmp))
             pc = cfg.with_overrides({"train.num_threads": threads, "output_dir": tmp, "train.save_dir": "",
                                      "train.init_from": "", "train.max_updates": 0})
-            t0 = time.perf_counter()
             trainer = build_trainer(pc, small)
-            build_s = time.perf_counter() - t0
             layers = bert_layers(trainer.model)
             reads_features = bool(layers) and layers[0].cache_wanted
-            bert_rate = sum(len(s) for s in small.splits.values()) / build_s if reads_features else None
+            built = [s.bert.features for s in small.splits.values()
+                     if s.bert is not None and getattr(s.bert.features, "build_s", None)]
+            bert_rate = (sum(len(f) for f in built) / sum(f.build_s for f in built)
+                         if reads_features and built else None)
             batches: list[Any] = []
             for epoch in range(1, 100):
                 batches += list(trainer.train_batches(epoch=epoch))
@@ -285,18 +287,53 @@ def shape_key(cfg: ExperimentConfig) -> str:
                        if k.startswith(SPEED_KEYS) and not k.startswith(NOT_SPEED)))
 
 
-def missing_features(cfg: ExperimentConfig, data: PreparedData) -> int:
+def missing_features(cfg: ExperimentConfig, data: PreparedData) -> tuple[int, Any]:
     """Sentences (over every split) whose frozen BERT features a run of ``cfg`` reads but the cache does not
-    hold yet (0 for a model that reads none). ``cfg``'s BERT must exist."""
+    hold yet (0 for a model that reads none), and the BertLayer that reads them (None: no cached features),
+    its stream attached to ``data``. ``cfg``'s BERT must exist."""
     from nmtcore.bert.features import FeatureCache
     from nmtcore.sweep.pre_sweep import bert_stream_layer
 
     layer = bert_stream_layer(cfg, data, use_cache=False)
     if layer is None or not layer.cache_wanted:
-        return 0
+        return 0, None
     cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
-    return sum(len(split) for split in data.splits.values()
-               if split.bert is not None and cache.load(layer.features_key(split.bert), len(split.bert)) is None)
+    missing = sum(len(split) for split in data.splits.values()
+                  if split.bert is not None and cache.load(layer.features_key(split.bert), len(split.bert)) is None)
+    return missing, layer
+
+
+def feature_rate(layer: Any, inputs: Any, threads: int, sentences: int = FEATURE_PROBE_SENTENCES) -> float:
+    """Sentences per second at which ``layer`` (a frozen BertLayer) computes features at ``threads`` torch
+    threads, as the pre-sweep task that builds them runs: the first ``sentences`` of ``inputs`` (a split's
+    BERT stream) written to a temporary cache, only the computing timed, after one untimed batch. Restores
+    torch's thread count."""
+    from nmtcore.bert.features import FeatureCache
+    from nmtcore.data import BertInputs
+
+    n = min(len(inputs), sentences)
+    part = BertInputs(ids=inputs.ids[:n], segments=inputs.segments[:n], align=inputs.align[:n], pad_id=inputs.pad_id)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory(prefix="nmtcore-feature-probe-") as tmp:
+            warm = BertInputs(ids=part.ids[:8], segments=part.segments[:8], align=part.align[:8], pad_id=part.pad_id)
+            layer._compute_features(*_one_batch(warm))
+            store = FeatureCache(tmp).get_or_build(layer.features_key(part), part, layer._compute_features)
+    finally:
+        torch.set_num_threads(before)
+    return n / max(store.build_s or 0.0, 1e-9)
+
+
+def _one_batch(inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lens = inputs.lens
+    T = int(lens.max())
+    ids = torch.full((len(lens), T), inputs.pad_id, dtype=torch.long)
+    seg = torch.zeros((len(lens), T), dtype=torch.long)
+    for b in range(len(lens)):
+        ids[b, : lens[b]] = torch.from_numpy(inputs.ids[b].astype("int64"))
+        seg[b, : lens[b]] = torch.from_numpy(inputs.segments[b].astype("int64"))
+    return ids, torch.arange(T)[None, :] >= torch.from_numpy(lens)[:, None], seg
 
 
 def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None = None,
@@ -340,17 +377,28 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     shared: list[tuple[str, float]] = []
     made: dict[str, ExperimentConfig] = {}  # shape -> the config with its BERT resolved
     speeds: dict[str, Speed] = {}
+    to_build: list[tuple[str, int, Any, Any]] = []  # features missing: (what, sentences, layer, train stream)
     for cfg in distinct_berts(space, base):
         what = cfg.model.bert.name or f"L{cfg.model.bert.layers}-H{cfg.model.bert.hidden}"
         progress(f"dry run: BERT {what}: made if missing, then its features looked up in the cache")
         ready = ensure_bert(cfg)
-        missing = missing_features(ready, data) if shared_s is None else 0
+        missing, layer = missing_features(ready, data) if shared_s is None else (0, None)
+        stream = data.train.bert  # this BERT's: the next one's missing_features replaces it
         key = shape_key(ready)
         progress(f"dry run: probing {what} at {threads} thread(s)")
         speeds[key], made[key] = probe(ready, data, threads), ready
-        rate = speeds[key].bert_sentences_per_s
-        if missing and rate:
-            shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
+        if missing:
+            to_build.append((what, missing, layer, stream))
+    # As prepare_shared builds them: deepest first, its bottom truncations computed in the same pass.
+    to_build.sort(key=lambda b: -b[2].num_layers)
+    for i, (what, missing, layer, stream) in enumerate(to_build):
+        deeper = next((w for w, _, d, _ in to_build[:i] if layer.truncates(d)), None)
+        if deeper is not None:
+            shared.append((f"BERT features {what} (computed in the pass of {deeper})", 0.0))
+            continue
+        progress(f"dry run: timing {what}'s features at {int(cpus)} thread(s)")
+        rate = feature_rate(layer, stream, int(cpus))
+        shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
 
     tokens, valid_n = epoch_tokens(data), len(data.valid)
     test_n = sum(len(data.splits[name]) for name in base.data.test_splits)

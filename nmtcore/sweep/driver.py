@@ -317,13 +317,19 @@ def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str
     Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
     checksums = pre_sweep.prepare_data_task(base.data)
     footprints: dict[str, BertFootprint] = {}
+    cached: list[tuple[int, str, ExperimentConfig]] = []  # the frozen BERTs whose features the trials read
     for cfg in distinct_berts(space, base):
         b = cfg.model.bert
         what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
-        made, footprints[bert_key(cfg)] = pre_sweep.ensure_bert_task(cfg, what)
+        made, footprint = pre_sweep.ensure_bert_task(cfg, what)
+        footprints[bert_key(cfg)] = footprint
         b = made.model.bert
-        if b.freeze and b.use_cache and not b.dropout_when_frozen:  # what the trials read, made once here
-            pre_sweep.bert_features_task(made, what)
+        if b.freeze and b.use_cache and not b.dropout_when_frozen:
+            cached.append((footprint.layers, what, made))
+    # Deepest first: its pass also computes the features of its bottom truncations, whose own tasks then hit.
+    cached.sort(key=lambda c: -c[0])
+    for i, (_, what, made) in enumerate(cached):
+        pre_sweep.bert_features_task(made, what, shallower=[c for _, _, c in cached[i + 1:]])
     return checksums, footprints
 
 

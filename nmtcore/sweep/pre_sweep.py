@@ -8,12 +8,15 @@ them under the sweep's job; the console shows their progress (:class:`nmtcore.sw
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from nmtcore.bert import prepare_bert_inputs
 from nmtcore.bert.ensure import ensure_bert_resolved
+from nmtcore.bert.features import FeatureCache
+from nmtcore.bert.layer import attach_shared_features
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import PreparedData, prepare_data
 from nmtcore.engine import setup_torch
@@ -23,6 +26,8 @@ from nmtcore.sweep.baseline import Baseline, baseline_key, default_root, ensure_
 from nmtcore.sweep.memory import BertFootprint
 from nmtcore.sweep.ray_backend import driver_node_gpus, run_pre_sweep_task
 
+
+log = logging.getLogger("nmtcore.sweep")
 
 _DATA_CHECKSUMS: dict[str, dict[str, str]] = {}  # data section -> its checksums, prepared in this process's sweeps
 
@@ -59,31 +64,52 @@ def _ensure_bert_footprint(cfg: ExperimentConfig,
     return made, BertFootprint.of_directory(resolved.path)
 
 
-def bert_features_task(cfg: ExperimentConfig, what: str) -> bool:
+def bert_features_task(cfg: ExperimentConfig, what: str, shallower: Sequence[ExperimentConfig] = ()) -> bool:
     """Build the frozen-feature cache of ``cfg``'s BERT as the task "prepare BERT features <what>" (minutes
     for a wide BERT on the whole corpus, with a line per ~15 s of it), so that no trial spends its slot on it
-    silently; every trial then finds it. Returns whether the model reads cached features at all."""
-    return run_pre_sweep_task(f"prepare BERT features {what}", build_features, cfg)
+    silently; every trial then finds it. Those of ``shallower`` whose BERT is a bottom truncation of this one
+    are built in the same pass (:func:`build_features`). Returns whether the model reads cached features at all."""
+    return run_pre_sweep_task(f"prepare BERT features {what}", build_features, cfg, tuple(shallower))
 
 
-def build_features(cfg: ExperimentConfig) -> bool:
+def build_features(cfg: ExperimentConfig, shallower: Sequence[ExperimentConfig] = ()) -> bool:
     """The feature cache that a trial of ``cfg`` reads, built the way its trainer builds it (data prepared,
-    the registered model built, its first phase applied, its BERT stream attached: the same cache keys). ``cfg``'s
-    BERT must exist already. Returns whether the model reads cached features (False: its BERT trains from the
-    first update or runs every step)."""
+    the registered model built, its first phase applied, its BERT stream attached: the same cache keys); the
+    features of every config of ``shallower`` whose BERT is a bottom truncation of ``cfg``'s are computed in the
+    same pass of ``cfg``'s BERT (:func:`nmtcore.bert.layer.attach_shared_features`: bit for bit their own),
+    the others are left to their own build. Every BERT must exist already. Returns whether ``cfg``'s model
+    reads cached features (False: its BERT trains from the first update or runs every step)."""
     setup_torch(cfg)
-    layer = bert_stream_layer(cfg, prepare_data(cfg.data))
-    return layer is not None and layer.cache_wanted
+    data = prepare_data(cfg.data)
+    layer = bert_stream_layer(cfg, data, use_cache=False)
+    if layer is None or not layer.cache_wanted:
+        return False
+    members = [(layer, {name: split.bert for name, split in data.splits.items()})]
+    for other in shallower:
+        other_data = prepare_data(other.data)
+        if other_data.splits.keys() != data.splits.keys():
+            continue
+        other_layer = bert_stream_layer(other, other_data, use_cache=False)
+        if other_layer is not None and other_layer.cache_wanted and other_layer.truncates(layer):
+            members.append((other_layer, {name: split.bert for name, split in other_data.splits.items()}))
+    if len(members) > 1:
+        log.info("BERT features of %s computed in the same pass (bottom truncations of %s)",
+                 ", ".join(str(m.resolved.spec) for m, _ in members[1:]), layer.resolved.spec)
+    cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
+    for name in data.splits:
+        attach_shared_features(cache, name, [(m, streams[name]) for m, streams in members])
+    return True
 
 
 def bert_stream_layer(cfg: ExperimentConfig, data: PreparedData, use_cache: bool = True) -> Any:
     """The BertLayer a trial of ``cfg`` reads its BERT stream through, as its trainer sets it up (the registered
     model built, its first phase applied, the stream attached to ``data``: the same feature-cache keys); None
-    for a model without BERT. ``use_cache``: build the missing features (True) or only look (False)."""
+    for a model without BERT. ``use_cache``: build the missing features (True) or only attach the stream and
+    leave the features to the caller (False)."""
     cfg = prepare_model_resources(cfg, data)
     model = build_model(cfg.model, len(data.vocab), data.vocab.pad_id, data.vocab.bos_id, data.vocab.eos_id)
     start_schedule(cfg, model)  # as the trainer: a BERT its first phase fine-tunes gets no cache
-    return prepare_bert_inputs(model, data, use_cache=use_cache)
+    return prepare_bert_inputs(model, data, stream_only=not use_cache)
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, env: Mapping[str, str] | None = None,
