@@ -148,3 +148,30 @@ def test_a_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
     assert names == ["shared work", "baseline", "trials", "total"]
     assert "at once" in lines[head + 3] and "epochs" in lines[head + 3]
     assert not (tmp_path / "sweeps").exists()  # no sweep started
+
+
+def test_the_dry_run_counts_a_truncation_s_features_inside_its_deeper_bert_s_pass(tmp_path, monkeypatch):
+    """A grid over a BERT and its bottom-2 truncation: one feature build is timed and costed (the deeper's),
+    the truncation's features are said to come from that pass, at no cost of their own."""
+    from nmtcore.bert.truncate import truncate
+    from nmtcore.sweep.cost import dry_run
+    from nmtcore.sweep.settings import SweepSettings
+    from nmtcore.sweep.space import SearchSpace, grid
+    from nmtcore.testing.tiny_bert import save_tiny_bert
+
+    full = save_tiny_bert(tmp_path / "full", layers=4)
+    cut = truncate("tiny", full, 2, tmp_path / "trunc")
+    base = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": str(full)})
+    space = SearchSpace("t", "t", "bert_fused", params={"model.bert.name": grid([str(cut), str(full)])},
+                        metric="valid_loss", mode="min")
+    timed: list[int] = []
+    import nmtcore.sweep.cost as cost
+
+    real = cost.feature_rate
+    monkeypatch.setattr(cost, "feature_rate", lambda layer, *a, **k: timed.append(layer.num_layers) or real(layer, *a, **k))
+    est = dry_run(space, base, SweepSettings(name="t", storage=str(tmp_path / "sweeps"),
+                                             tracking_uri=f"file://{tmp_path / 'mlruns'}"), progress=lambda _: None)
+    shared = next(p for p in est.phases if p.name == "shared work")
+    assert timed == [4], timed
+    assert f"BERT features {cut} (computed in the pass of {full})" in shared.detail, shared.detail
+    assert f"BERT features {full} (" in shared.detail and shared.seconds > 0
