@@ -78,6 +78,7 @@ def epoch_checkpoints(save_dir: Path) -> list[Path]:
 
 
 def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint and its checksum sidecar (the sidecar first, so no checksum outlives its file)."""
     path.with_name(path.name + ".sha256").unlink(missing_ok=True)  # sidecar first: never a verifiable orphan
     path.unlink(missing_ok=True)
 

@@ -46,6 +46,7 @@ def shape_free_cuda_attention() -> None:
 
 
 def default_device() -> torch.device:
+    """The GPU where there is one, else the CPU."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

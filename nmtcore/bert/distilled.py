@@ -82,10 +82,12 @@ class DistillSpec:
 
     @property
     def dirname(self) -> str:
+        """The folder of this distillation under :func:`root_dir`: every setting that changes its weights."""
         return f"L{self.layers}-H{self.hidden}.from-{slug(self.teacher)}.steps{self.steps}.seed{self.seed}"
 
 
 def root_dir(cache_dir: Path) -> Path:
+    """Where distilled students are kept in the data cache."""
     return Path(cache_dir) / "bert" / "distilled"
 
 

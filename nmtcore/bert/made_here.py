@@ -87,15 +87,18 @@ class PretrainSpec:
 
     @property
     def dirname(self) -> str:
+        """The folder of this pretraining under :func:`root_dir`: every setting that changes its weights."""
         return (f"{self.corpus}.{self.lang}/L{self.layers}-H{self.hidden}.steps{self.steps}.seed{self.seed}"
                 f".v{self.vocab_size}.len{self.max_length}")
 
     def command(self) -> str:
+        """The ``nmtcore bert-pretrain`` command line that makes this BERT (printed where it is missing)."""
         return (f"nmtcore bert-pretrain --layers {self.layers} --hidden {self.hidden} --corpus {self.corpus} "
                 f"--lang {self.lang} --steps {self.steps} --seed {self.seed}")
 
 
 def root_dir(cache_dir: Path) -> Path:
+    """Where BERTs pretrained here are kept in the data cache."""
     return Path(cache_dir) / "bert" / "pretrained-here"
 
 

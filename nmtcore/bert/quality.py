@@ -98,9 +98,11 @@ class Quality:
 
     @property
     def figure(self) -> float:
+        """The one number a report shows: the replaced-token detection AUC."""
         return self.rtd_auc
 
     def describe(self) -> str:
+        """Both figures against their chance levels, and the text they were measured on."""
         return (f"replaced-token detection AUC {self.rtd_auc:.3f} (chance 0.5), masked-token top-1 "
                 f"{self.mlm_accuracy:.3f} (most-frequent-token {self.mlm_majority:.3f}) on {self.heldout}")
 
@@ -113,6 +115,8 @@ def _weights_file(path: Path) -> Path:
 
 
 def cache_path(resolved: ResolvedBert, lang: str, cache_dir: Path, cfg: ProbeConfig = ProbeConfig()) -> Path:
+    """Where the quality figure of these weights on ``lang`` text is cached: keyed by the weights' checksum,
+    the language, the figure's version and any non-default probe setting."""
     sha = sha256_file(_weights_file(resolved.path))
     custom = "" if cfg == ProbeConfig() else "." + hashlib.sha256(repr(asdict(cfg)).encode()).hexdigest()[:8]
     return Path(cache_dir) / "bert" / "quality" / f"{sha[:16]}.{lang}.v{QUALITY_VERSION}{custom}.json"

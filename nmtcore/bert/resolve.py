@@ -95,10 +95,12 @@ class BertSpec:
 
     @classmethod
     def from_config(cls, cfg: BertConfig) -> "BertSpec":
+        """The spec ``model.bert`` asks for: its name, else its size."""
         return cls(name=cfg.name) if cfg.name else cls(layers=cfg.layers, hidden=cfg.hidden)
 
     @property
     def is_size(self) -> bool:
+        """Asked for by size (L, H), not by name."""
         return not self.name
 
     def __str__(self) -> str:
@@ -159,6 +161,7 @@ class ResolvedBert:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
     def load_tokenizer(self) -> Any:
+        """The BERT's own tokenizer (:class:`BertError` naming the folder if it cannot be read)."""
         from transformers import AutoTokenizer
 
         try:
@@ -168,6 +171,7 @@ class ResolvedBert:
                             f"{str(e).splitlines()[0]}") from None
 
     def describe(self) -> str:
+        """What was asked for, where it lives and where it came from, for the log."""
         return f"{self.spec} -> {self.path} ({self.source})"
 
 
@@ -177,6 +181,7 @@ def network_allowed() -> bool:
 
 
 def hub_endpoint() -> str:
+    """The model hub to ask: ``$HF_ENDPOINT`` or huggingface.co."""
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
 
 

@@ -83,6 +83,7 @@ _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
 
 
 def sources_dir(cache_dir: Path, name: str) -> Path:
+    """Where the offline copy of source ``name`` is kept in the data cache."""
     return Path(cache_dir) / "bert" / "sources" / name
 
 

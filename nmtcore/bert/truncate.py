@@ -55,6 +55,7 @@ def kept_tensors(names: list[str], k: int) -> list[str]:
 
 
 def truncated_dir(cache_dir: Path, source: str, k: int, source_dir: Path) -> Path:
+    """Where the bottom-``k`` truncation of ``source`` is kept (see the module docstring)."""
     return Path(cache_dir) / "bert" / "truncated" / slug(source) / f"L{k}" / sha256_file(source_dir / "model.safetensors")[:16]
 
 

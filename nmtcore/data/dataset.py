@@ -70,6 +70,7 @@ class BertInputs:
         return np.fromiter((len(s) for s in self.ids), dtype=np.int64, count=len(self.ids))
 
     def select(self, indices: Sequence[int] | np.ndarray) -> "BertInputs":
+        """The stream of sentences ``indices`` (their cached features follow)."""
         idx = [int(i) for i in indices]
         return BertInputs([self.ids[i] for i in idx], [self.segments[i] for i in idx], [self.align[i] for i in idx],
                           self.pad_id, self.features.select(np.asarray(idx, dtype=np.int64)) if self.features else None)
@@ -110,6 +111,7 @@ class DocumentIndex:
         return self.line_docs[self.rows]
 
     def select(self, indices: Sequence[int] | np.ndarray) -> "DocumentIndex":
+        """The document index of sentences ``indices`` (their documents stay whole for context)."""
         return DocumentIndex(self.lines, self.line_docs, self.rows[np.asarray(indices, dtype=np.int64)])
 
     def previous(self, n: int) -> list[list[str]]:
@@ -218,14 +220,17 @@ class PreparedData:
 
     @property
     def train(self) -> EncodedSplit:
+        """The training split (``data.train_split``)."""
         return self.splits[self.cfg.train_split]
 
     @property
     def valid(self) -> EncodedSplit:
+        """The validation split (``data.valid_split``)."""
         return self.splits[self.cfg.valid_split]
 
     @property
     def tests(self) -> dict[str, EncodedSplit]:
+        """The test splits by name (``data.test_splits``)."""
         return {name: self.splits[name] for name in self.cfg.test_splits}
 
 

@@ -66,6 +66,7 @@ class Translator:
         self.vocab, self.cfg = vocab, cfg
 
     def translate(self, lines: list[str]) -> list[str]:
+        """Translate raw source lines (whitespace normalised) with the configured search; one output each."""
         split = encode_split(self.vocab, "input", [" ".join(line.split()) for line in lines])
         for bert in bert_layers(self.model)[:1]:  # a BERT-consuming model reads its own stream of the input
             split.bert = bert.encode_split(split, word_start_table(self.vocab))

@@ -30,11 +30,13 @@ class InverseSqrtSchedule:
         self.lr, self.warmup, self.init_lr = cfg.lr, cfg.warmup_updates, cfg.warmup_init_lr
 
     def lr_at(self, num_updates: int) -> float:
+        """The learning rate after ``num_updates`` updates: linear warm-up, then decay with 1/sqrt(updates)."""
         if self.warmup > 0 and num_updates < self.warmup:
             return self.init_lr + num_updates * (self.lr - self.init_lr) / self.warmup
         return self.lr * math.sqrt(max(self.warmup, 1) / max(num_updates, 1))
 
     def apply(self, optimizer: torch.optim.Optimizer, num_updates: int) -> float:
+        """Set every parameter group's learning rate to :meth:`lr_at` and return it."""
         lr = self.lr_at(num_updates)
         for group in optimizer.param_groups:
             group["lr"] = lr

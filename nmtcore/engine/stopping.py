@@ -29,10 +29,12 @@ class StopRule:
 
     @classmethod
     def from_config(cls, tc: TrainConfig) -> "StopRule":
+        """The rule ``train.stop_metric`` / ``train.patience`` / ``train.min_delta`` describe."""
         return cls(tc.stop_metric, tc.patience, tc.min_delta)
 
     @property
     def higher_is_better(self) -> bool:
+        """BLEU rises as a run improves, a loss falls (:data:`nmtcore.config.STOP_METRICS`)."""
         return STOP_METRICS[self.metric]
 
     @property

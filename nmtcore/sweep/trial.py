@@ -136,6 +136,8 @@ class SweepContext:
 
 
 def final_metrics_from_run(run: tracking.RunRecord) -> dict[str, Any]:
+    """The last report of a trial that already finished in MLflow, rebuilt from its run (for a retried trial
+    that must not train again): its metrics, the test BLEU and chrF under the names a trial reports."""
     metrics = {k: v for k, v in run.metrics.items() if not k.startswith(("update/", "final/", "cost/", "test/"))}
     for key, value in run.metrics.items():
         parts = key.split("/")
@@ -208,6 +210,7 @@ def failure_reason(e: BaseException) -> str:
 
 
 def all_gather(value: str) -> list[str]:
+    """``value`` from every worker of a distributed trial (just ``[value]`` in a one-worker one)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, value)
@@ -216,6 +219,7 @@ def all_gather(value: str) -> list[str]:
 
 
 def all_reduce_sum(value: float) -> float:
+    """The sum of ``value`` over the workers of a distributed trial (``value`` in a one-worker one)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         import torch
 
@@ -226,5 +230,6 @@ def all_reduce_sum(value: float) -> float:
 
 
 def epoch_of(path: Path) -> int:
+    """The epoch number in a checkpoint's file name (``epoch12.pt`` → 12; -1 when it has none)."""
     digits = "".join(c for c in path.stem if c.isdigit())
     return int(digits) if digits else -1

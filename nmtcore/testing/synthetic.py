@@ -15,6 +15,7 @@ MAPPING = dict(zip(SRC_WORDS, TGT_WORDS))
 
 
 def translate(words: list[str]) -> list[str]:
+    """The synthetic task's reference translation: each word mapped, then neighbours swapped in pairs."""
     out = [MAPPING[w] for w in words]
     for i in range(0, len(out) - 1, 2):
         out[i], out[i + 1] = out[i + 1], out[i]

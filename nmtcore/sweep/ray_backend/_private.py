@@ -142,6 +142,7 @@ class TrialTrainer(TorchTrainer):
 
 
 def set_concurrency(tuner: tune.Tuner, n: int) -> None:
+    """Give a restored Tuner this run's number of trials at once (``Tuner.restore`` keeps the old one)."""
     tune_config = getattr(getattr(tuner, "_local_tuner", None), "_tune_config", None)
     if tune_config is None:  # pragma: no cover - Ray internals moved
         log.warning("could not set the restored Tuner's concurrency to %d", n)
@@ -153,6 +154,7 @@ def set_concurrency(tuner: tune.Tuner, n: int) -> None:
 
 
 def replace_callbacks(tuner: tune.Tuner, ours: list[tune.Callback]) -> None:
+    """Install this process's sweep callbacks on a restored Tuner in place of the restored copies."""
     internal = getattr(tuner, "_local_tuner", None)
     run_config = getattr(internal, "_run_config", None) if internal is not None else None
     if run_config is None:  # pragma: no cover - Ray internals moved

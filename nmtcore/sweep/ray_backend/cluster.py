@@ -144,6 +144,7 @@ def workers_have(env: Mapping[str, str]) -> bool:
 
 
 def shutdown_ray() -> None:
+    """Disconnect from Ray (stopping the local cluster this process started) and forget that cluster."""
     global _local_cluster_pid
     if ray.is_initialized():
         ray.shutdown()
