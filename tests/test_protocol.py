@@ -232,6 +232,13 @@ def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_a
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("1 baseline(s)") and out[1].split()[0] == old.key and f"adopted as {new_key[:12]}" in out[1]
 
+    # The code changes again: the adopted key is adopted in turn, straight onto the directory that trained.
+    monkeypatch.setattr(store, "code_digest", lambda: "the newest code")
+    newest = store.adopt_baseline(cfg, new_key, root, tracking_uri=uri, reason="another comment")
+    assert newest not in (old.key, new_key) and (root / newest).resolve() == (root / old.key).resolve()
+    assert [a["key"] for a in store._adoptions(root / old.key)] == [new_key, newest]
+    assert store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None).key == newest
+
 
 def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(tmp_path, monkeypatch):
     from nmtcore import tracking

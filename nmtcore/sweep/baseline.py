@@ -257,6 +257,10 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
         raise AdoptError(f"no baseline {old_key} under {root} (stored: {', '.join(stored) or 'none'})")
     if (root / new_key).exists():
         raise AdoptError(f"{root / new_key} exists already: this code has a baseline of its own")
+    # An adopted key is a link to the baseline it adopted (code changed twice): adopt that one, checking the
+    # link's own code as recorded when it was made.
+    origin = old_dir.resolve().name if old_dir.is_symlink() else old_key
+    old_dir = root / origin
     record = next((json.loads((old_dir / f).read_text(encoding="utf-8")) for f in ("meta.json", INPUTS_FILE)
                    if (old_dir / f).is_file()), None)
     if record is None:
@@ -269,9 +273,10 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
         theirs, ours = record.get("weight_config") or {}, mine["weight_config"]
         diff = sorted(k for k in set(theirs) | set(ours) if repr(theirs.get(k)) != repr(ours.get(k)))
         raise AdoptError(f"baseline {old_key[:12]} trained another config ({', '.join(diff[:5])}): not adoptable")
-    if baseline_key(cfg, data.checksums, code=record.get("code")) != old_key:
+    codes = [record.get("code")] + [a.get("code") for a in _adoptions(old_dir) if a.get("key") == old_key]
+    if not any(baseline_key(cfg, data.checksums, code=code) == old_key for code in codes):
         raise AdoptError(f"baseline {old_key[:12]} trained on other data or under another key format: not adoptable")
-    (root / new_key).symlink_to(old_key, target_is_directory=True)
+    (root / new_key).symlink_to(origin, target_is_directory=True)
     with open(old_dir / ADOPTIONS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps({"key": new_key, "code": mine["code"], "from_code": record.get("code"), "reason": reason,
                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
@@ -295,12 +300,19 @@ def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
     root = Path(root)
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []:
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8")) if (d / "meta.json").is_file() else None
-        adopted = [json.loads(line)["key"] for line in (d / ADOPTIONS_FILE).read_text(encoding="utf-8").splitlines()
-                   if line.strip()] if (d / ADOPTIONS_FILE).is_file() else []
+        adopted = [a["key"] for a in _adoptions(d)]
         out.append({"key": d.name, "finished": meta is not None, "converged": bool(meta and meta.get("converged")),
                     "epochs": meta["fit"]["epochs"] if meta else checkpointed_epochs(d / "run"), "adopted_as": adopted,
                     "created": meta.get("created") if meta else None})
     return out
+
+
+def _adoptions(directory: Path) -> list[dict[str, Any]]:
+    """The adoptions recorded in a baseline directory's ``adoptions.jsonl``, oldest first."""
+    path = directory / ADOPTIONS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _store_exists(tracking_uri: str | None) -> bool:
