@@ -309,31 +309,20 @@ def feature_rate(layer: Any, inputs: Any, threads: int, sentences: int = FEATURE
     BERT stream) written to a temporary cache, only the computing timed, after one untimed batch. Restores
     torch's thread count."""
     from nmtcore.bert.features import FeatureCache
-    from nmtcore.data import BertInputs
 
     n = min(len(inputs), sentences)
-    part = BertInputs(ids=inputs.ids[:n], segments=inputs.segments[:n], align=inputs.align[:n], pad_id=inputs.pad_id)
+    part = inputs.select(range(n))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         with tempfile.TemporaryDirectory(prefix="nmtcore-feature-probe-") as tmp:
-            warm = BertInputs(ids=part.ids[:8], segments=part.segments[:8], align=part.align[:8], pad_id=part.pad_id)
-            layer._compute_features(*_one_batch(warm))
-            store = FeatureCache(tmp).get_or_build(layer.features_key(part), part, layer._compute_features)
+            cache = FeatureCache(tmp)
+            warm = part.select(range(min(n, 8)))
+            cache.get_or_build(layer.features_key(warm), warm, layer._compute_features)  # untimed first batch
+            store = cache.get_or_build(layer.features_key(part), part, layer._compute_features)
     finally:
         torch.set_num_threads(before)
     return n / max(store.build_s or 0.0, 1e-9)
-
-
-def _one_batch(inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lens = inputs.lens
-    T = int(lens.max())
-    ids = torch.full((len(lens), T), inputs.pad_id, dtype=torch.long)
-    seg = torch.zeros((len(lens), T), dtype=torch.long)
-    for b in range(len(lens)):
-        ids[b, : lens[b]] = torch.from_numpy(inputs.ids[b].astype("int64"))
-        seg[b, : lens[b]] = torch.from_numpy(inputs.segments[b].astype("int64"))
-    return ids, torch.arange(T)[None, :] >= torch.from_numpy(lens)[:, None], seg
 
 
 def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None = None,
