@@ -365,24 +365,24 @@ def attach_shared_features(cache: FeatureCache, split_name: str, members: Sequen
     members that are bottom truncations of the deepest (:meth:`BertLayer.truncates`) and read the same tokens
     have their missing features computed in one pass of the deepest, each stored under its own key, bit for
     bit what a pass of its own computes (same batches, same layers); any other member builds its own."""
+    members = [(layer, inp) for layer, inp in members if layer.cache_wanted]
     if not members:
         return
     deepest = max(members, key=lambda m: m[0].num_layers)[0]
-    tokens = inputs_checksum(next(inp for layer, inp in members if layer is deepest))
-    shared = [(layer, inp) for layer, inp in members
-              if layer.cache_wanted and (layer is deepest or (inputs_checksum(inp) == tokens and layer.truncates(deepest)))]
+    keys = [layer.features_key(inp) for layer, inp in members]  # each hashes its token stream once
+    tokens = next(key.inputs for (layer, _), key in zip(members, keys) if layer is deepest)
+    shared = [(layer, inp, key) for (layer, inp), key in zip(members, keys)
+              if layer is deepest or (key.inputs == tokens and layer.truncates(deepest))]
     for layer, inp in members:
-        if layer.cache_wanted and all(layer is not s for s, _ in shared):
+        if all(layer is not s for s, _, _ in shared):
             layer.attach_features(cache, split_name, inp)
-    if not shared:
-        return
-    union = tuple(sorted({i for layer, _ in shared for i in layer.layers}))
-    entries = [SharedEntry(layer.features_key(inp), tuple(union.index(i) for i in layer.layers),
+    union = tuple(sorted({i for layer, _, _ in shared for i in layer.layers}))
+    entries = [SharedEntry(key, tuple(union.index(i) for i in layer.layers),
                            {"bert": str(layer.resolved.spec), "path": str(layer.resolved.path), "split": split_name})
-               for layer, inp in shared]
+               for layer, _, key in shared]
     stores = cache.get_or_build_shared(
         entries, shared[0][1], lambda ids, mask, seg: deepest._compute_states(ids, mask, seg, union))
-    for (_, inp), store in zip(shared, stores):
+    for (_, inp, _), store in zip(shared, stores):
         inp.features = store
 
 
