@@ -33,6 +33,8 @@ DEFAULTS = MINILM
 # BERT-JAM's three phases on a CPU budget (see the module docstring). The smoke-sized version is the study's
 # default (smoke tests keep defaults, not budgets); real runs take the budget, which overrides it.
 BERT_JAM_SMOKE = {"train.phase_scale": 0.05, "train.max_epochs": 4, "train.average_last": 2, "train.patience": 1}
+# The document-level data the offline machines have (nmtcore.data.corpus: maruf2019_devtest; docs/data.md).
+DOC_DATA = {"data.corpus": "maruf2019_devtest", "data.valid_split": "valid", "data.test_splits": ["test"]}
 BERT_JAM_BUDGET = {"train.phase_scale": 0.2, "train.max_epochs": 12, "train.average_last": 2, "train.keep_last": 3,
                    "train.patience": 1}
 
@@ -91,9 +93,10 @@ SPACES = {
         reference="full", citation="PLM-sponsored NMT (seed 001), Table 3",
         description="PLM-sponsored loss ablation: MLM, target LM, half-layer KD (vs full-layer KD)"),
     # Document context (BERT as context encoder, seed 003): where C_B enters the model (Table 3)...
-    # Both studies need a document corpus: --set data.corpus=docparallel (or maruf2019_*) and its data_dir.
+    # Both studies train on documents: by default the offline Maruf et al. sets (DOC_DATA); another document
+    # corpus with --set data.corpus=docparallel data.data_dir=DIR and its splits.
     "doc_context_integration": SearchSpace(
-        STUDY, "doc_context_integration", "doc_context", defaults=DEFAULTS, protocol=WARM_START,
+        STUDY, "doc_context_integration", "doc_context", defaults={**DEFAULTS, **DOC_DATA}, protocol=WARM_START,
         budget=STAGE, budgets=STAGE_BUDGETS,
         arms={
             "sentence_level": {"model.context_integration": "none"},
@@ -107,7 +110,8 @@ SPACES = {
     # ...and which context BERT reads (Table 4, Li et al. 2020's protocol): the previous sentence of the
     # document, a sentence of random source-vocabulary words, or one fixed sentence.
     "doc_context_type": SearchSpace(
-        STUDY, "doc_context_type", "doc_context", defaults=DEFAULTS, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
+        STUDY, "doc_context_type", "doc_context", defaults={**DEFAULTS, **DOC_DATA}, protocol=WARM_START,
+        budget=STAGE, budgets=STAGE_BUDGETS,
         arms={
             "context": {"model.context_type": "real"},
             "random": {"model.context_type": "random"},

@@ -122,8 +122,8 @@ def test_iwslt14_missing_says_bring_your_own(tmp_path: Path) -> None:
 
 
 def test_unknown_corpus_split_language(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"unknown corpus 'wmt99' \(registered: docparallel, iwslt14, maruf2019_europarl, "
-                       r"maruf2019_news, maruf2019_ted, multi30k, parallel\)"):
+    with pytest.raises(DataError, match=r"unknown corpus 'wmt99' \(registered: docparallel, iwslt14, maruf2019_devtest, "
+                       r"maruf2019_europarl, maruf2019_news, maruf2019_ted, multi30k, parallel\)"):
         load_split(cfg_for(tmp_path, tmp_path, corpus="wmt99"), "train")
     m30k = cfg_for(tmp_path, tmp_path, corpus="multi30k")
     with pytest.raises(DataError, match=r"no split 'valid' \(valid: train, val, test_2016_flickr, test_2017_flickr\)"):

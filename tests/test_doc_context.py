@@ -25,6 +25,7 @@ from nmtcore.data import (
     DOC_MARKER,
     DataError,
     DocumentIndex,
+    corpus_file,
     encode_split,
     load_split,
     prepare_data,
@@ -137,6 +138,53 @@ def test_shared_ted_documents_read_as_published(shared_data):
     assert not any("\r" in s or s == DOC_MARKER for s in pt.src + pt.tgt)
     with pytest.raises(DataError, match="corpus 'maruf2019_ted', split 'train': missing files .*selective-attn"):
         load_split(DataConfig(corpus="maruf2019_ted", data_dir=str(SHARED_DATA)), "train")
+
+
+def maruf_layout(root: Path) -> dict[tuple[str, str], list[list[str]]]:
+    """The three Maruf et al. sub-corpora's dev and test files under ``root`` (their real layout and names)."""
+    out = {}
+    for i, sub in enumerate(("IWSLT2017", "NC-2016", "Europarl7")):
+        made = doc_corpus(root / "tmp" / sub, docs_per_split=3 + i, seed=i)
+        for split, src in (("dev", "train"), ("test", "test")):
+            for lang in ("en", "de"):
+                dest = root / "docnmt-en-de-maruf2019-devtest" / sub / f"concatenated_en2de_{split}_{lang}.txt"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes((root / "tmp" / sub / f"{src}.{lang}").read_bytes())
+            out[sub, split] = made[src]
+    return out
+
+
+def test_the_joined_offline_document_corpus(tmp_path):
+    """``maruf2019_devtest``: the three dev sets joined train (in order, documents kept apart), News test validates,
+    TED test tests; the prepared data's checksum of a joined split changes with any one of its files."""
+    made = maruf_layout(tmp_path)
+    cfg = DataConfig(corpus="maruf2019_devtest", data_dir=str(tmp_path), cache_dir=str(tmp_path / "cache"),
+                     valid_split="valid", test_splits=("test",), vocab_size=40, download=False)
+    train = load_split(cfg, "train")
+    dev_docs = [d for sub in ("IWSLT2017", "NC-2016", "Europarl7") for d in made[sub, "dev"]]
+    assert train.src == [s for d in dev_docs for s in d]
+    assert [[s for s, k in zip(train.src, train.doc_ids) if k == doc] for doc in np.unique(train.doc_ids)] == dev_docs
+    assert [p.parent.name for p, _ in train.files] == ["IWSLT2017", "NC-2016", "Europarl7"]
+    assert load_split(cfg, "valid").src == [s for d in made["NC-2016", "test"] for s in d]
+    assert load_split(cfg, "test").src == [s for d in made["IWSLT2017", "test"] for s in d]
+    before = prepare_data(cfg).checksums
+    europarl = tmp_path / "docnmt-en-de-maruf2019-devtest" / "Europarl7" / "concatenated_en2de_dev_de.txt"
+    europarl.write_bytes(europarl.read_bytes()[:-2] + b" x\r\n")  # its last sentence, one word longer
+    after = prepare_data(cfg).checksums
+    assert after["train.de"] != before["train.de"] and after["train.en"] == before["train.en"]
+    assert after["valid.de"] == before["valid.de"]
+    with pytest.raises(DataError, match="has no file of its own: its split 'train' joins maruf2019_ted dev"):
+        corpus_file(cfg, "train", "en")
+
+
+def test_shared_joined_document_corpus(shared_data):
+    """The offline document-level training set of the doc-context studies: 14,723 sentences in 414 documents."""
+    if not (shared_data / "docnmt-en-de-maruf2019-devtest" / "Europarl7").is_dir():
+        pytest.skip("shared document corpus not found")
+    cfg = DataConfig(corpus="maruf2019_devtest", data_dir=str(shared_data))
+    train = load_split(cfg, "train")
+    assert (len(train), len(np.unique(train.doc_ids))) == (8967 + 2169 + 3587, 93 + 81 + 240)
+    assert (len(load_split(cfg, "valid")), len(load_split(cfg, "test"))) == (2999, 2271)
 
 
 def test_the_bert_stream_of_a_prepared_document_corpus(tmp_path):

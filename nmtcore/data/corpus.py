@@ -20,7 +20,7 @@ import os
 import urllib.error
 import urllib.request
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -50,7 +50,8 @@ class Corpus:
     filled in). ``file_template``: the file name of one side when it is not ``{split}.{lang}``
     (``{split}`` and ``{lang}`` are filled in; ``.gz`` is tried as well). ``documents``: the files are
     document-level: a line holding only :data:`DOC_MARKER` starts each document (:func:`load_split`
-    drops the marker lines and numbers the documents).
+    drops the marker lines and numbers the documents). ``parts``: a corpus made of other corpora's splits:
+    split → ``(corpus, split)`` pairs, read one after another (documents stay apart; no files of its own).
     """
 
     name: str
@@ -65,6 +66,7 @@ class Corpus:
     missing_hint: str = ""
     file_template: str = ""
     documents: bool = False
+    parts: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
     def file_names(self, split: str, lang: str) -> list[str]:
         """Candidate file names of one side of a split, in lookup order."""
@@ -150,6 +152,14 @@ CORPORA["docparallel"] = Corpus(
     "each document", documents=True,
     missing_hint="put the {split}.<lang> files (plain or .gz, a line <d> before each document) there, or point "
     "--data-dir / NMTCORE_DATA at the directory that has them")
+# The document-level training set that exists offline: only the dev and test sets of Maruf et al. (2019) are in
+# the team copy, so their three dev sets joined (14.7k sentences) train, News test validates, TED test tests.
+CORPORA["maruf2019_devtest"] = Corpus(
+    name="maruf2019_devtest", description="Maruf et al. (2019) En-De documents, dev and test only: train = the "
+    "TED, News Commentary and Europarl dev sets joined, valid = News Commentary test, test = TED test",
+    languages=("en", "de"), splits=("train", "valid", "test"), documents=True,
+    parts={"train": (("maruf2019_ted", "dev"), ("maruf2019_news", "dev"), ("maruf2019_europarl", "dev")),
+           "valid": (("maruf2019_news", "test"),), "test": (("maruf2019_ted", "test"),)})
 
 
 def get_corpus(name: str) -> Corpus:
@@ -173,6 +183,9 @@ def corpus_file(cfg: DataConfig, split: str, lang: str) -> Path:
     """
     corpus = get_corpus(cfg.corpus)
     corpus.check(split, lang)
+    if corpus.parts:
+        raise DataError(f"corpus {corpus.name!r} has no file of its own: its split {split!r} joins "
+                        + ", ".join(f"{c} {s}" for c, s in corpus.parts[split]) + "; read it with load_split")
     names = corpus.file_names(split, lang)
     hint = corpus.missing_hint.replace("{split}", split)
     searched: list[Path] = []
@@ -253,6 +266,12 @@ class ParallelText:
     tgt_path: Path
     split: str = ""
     doc_ids: np.ndarray | None = None  # (N,) int64 document of each pair (document corpora), else None
+    sources: tuple[tuple[Path, Path], ...] = ()  # every (src, tgt) file read, in order; () = (src_path, tgt_path)
+
+    @property
+    def files(self) -> tuple[tuple[Path, Path], ...]:
+        """The (source, target) files this split was read from, in order."""
+        return self.sources or ((self.src_path, self.tgt_path),)
 
     def __len__(self) -> int:
         return len(self.src)
@@ -304,6 +323,8 @@ def load_split(cfg: DataConfig, split: str) -> ParallelText:
     corpus = get_corpus(cfg.corpus)
     for lang in (cfg.src_lang, cfg.tgt_lang):
         corpus.check(split, lang)
+    if corpus.parts:
+        return _join([load_split(replace(cfg, corpus=name), part) for name, part in corpus.parts[split]], split)
     paths: dict[str, Path] = {}
     missing: list[_MissingFile] = []
     for lang in (cfg.src_lang, cfg.tgt_lang):
@@ -331,6 +352,18 @@ def load_split(cfg: DataConfig, split: str) -> ParallelText:
                     "as sentences (use a document corpus, e.g. data.corpus=docparallel)", src_path, DOC_MARKER,
                     corpus.name)
     return ParallelText(src=src, tgt=tgt, src_path=src_path, tgt_path=tgt_path, split=split)
+
+
+def _join(pieces: list[ParallelText], split: str) -> ParallelText:
+    """One split from several read one after another; document ids are renumbered so no two pieces share one."""
+    doc_ids, offset = [], 0
+    for p in pieces:
+        ids = p.doc_ids if p.doc_ids is not None else np.zeros(len(p), dtype=np.int64)  # (N_p,)
+        doc_ids.append(ids + offset)
+        offset += int(ids.max()) + 1 if len(ids) else 0
+    return ParallelText(src=[x for p in pieces for x in p.src], tgt=[y for p in pieces for y in p.tgt],
+                        src_path=pieces[0].src_path, tgt_path=pieces[0].tgt_path, split=split,
+                        doc_ids=np.concatenate(doc_ids), sources=tuple(f for p in pieces for f in p.files))
 
 
 def split_documents(src: list[str], tgt: list[str], src_path: Path,

@@ -208,7 +208,8 @@ class PreparedData:
     """Everything a run needs from the data side.
 
     ``splits`` maps split name → :class:`EncodedSplit` (train already length-filtered);
-    ``checksums`` records provenance: ``"{split}.{lang}"`` → SHA-256 of the file read, and
+    ``checksums`` records provenance: ``"{split}.{lang}"`` → SHA-256 of the file read (of the files' digests for a
+    split joined from several), and
     ``"vocab"`` → the vocabulary's checksum. ``train_dropped`` counts pairs removed by the filter.
     """
 
@@ -253,8 +254,10 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     texts = {split: load_split(cfg, split) for split in names}
     checksums: dict[str, str] = {}
     for split, pt in texts.items():
-        checksums[f"{split}.{cfg.src_lang}"] = sha256_file(pt.src_path)
-        checksums[f"{split}.{cfg.tgt_lang}"] = sha256_file(pt.tgt_path)
+        for side, lang in enumerate((cfg.src_lang, cfg.tgt_lang)):
+            sums = [sha256_file(f[side]) for f in pt.files]  # a split joined from several files: a digest of theirs
+            joined = hashlib.sha256(" ".join(sums).encode()).hexdigest()
+            checksums[f"{split}.{lang}"] = sums[0] if len(sums) == 1 else joined
 
     cache = cfg.resolved_cache_dir()
     train = texts[cfg.train_split]
