@@ -154,3 +154,99 @@ def test_ctrl_c_during_a_sweep_s_shared_work_ends_it_with_one_line_and_status_13
     assert "Traceback" not in err, err[-3000:]
     time.sleep(5)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children
+
+
+
+@pytest.mark.slow  # ~2 min: a local Ray cluster, the smoke test stopped and resumed
+@pytest.mark.parametrize("phase", ["train baseline", "% epoch 1/2 valid_bleu"], ids=["baseline-task", "trials"])
+def test_sigterm_stops_a_sweep_with_one_line_and_143_then_resume_finishes_it(tmp_path, phase):
+    """SIGTERM (a scheduler's stop) while the shared baseline trains as a Ray task, or while the trials run: the
+    sweep ends with one line naming SIGTERM, exit 143, no traceback, no Ray process left (before, Ray's crash
+    handler aborted the driver with a stack dump); the same command with --resume then finishes every trial."""
+    import signal
+    import time
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    where = ["--storage", str(tmp_path / "sweeps"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+             "--baseline-store", str(tmp_path / "baselines"), "--name", "stopped"]
+    cmd = [sys.executable, "sweeps/bert_size_grid.py", "--smoke-test", *where]
+    env = {**os.environ, "NMTCORE_NO_PROGRESS": "1"}
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    deadline = time.time() + 300
+    while time.time() < deadline and not (lines and phase in lines[-1]):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert proc.poll() is None, "".join(lines)[-3000:]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith("bert_size_grid.py: stopped by SIGTERM; "), out[-3000:]
+    assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
+    time.sleep(5)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children
+    again = [*cmd, "--resume"] if "epoch" in phase else cmd  # a sweep stopped before its trials has no state yet
+    done = subprocess.run(again, cwd=root, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "sweep stopped finished" in done.stdout and "TERMINATED" in done.stdout, done.stdout[-3000:]
+    assert not [t for t in ("PENDING", "ERROR", "RUNNING") if f" {t} " in done.stdout], done.stdout[-3000:]
+
+
+LONG_TASK = """
+import signal, sys, time
+from nmtcore.sweep.ray_backend import init_ray, run_pre_sweep_task, shutdown_ray
+
+def long_build(seconds, progress=None):  # Python between native calls, as a feature build's batch loop
+    t0, n = time.time(), 0
+    while time.time() - t0 < seconds:
+        sum(i * i for i in range(20000))
+        n += 1
+        if n % 200 == 0:
+            progress(f"batch {n}")
+    return "finished"
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as the sweep CLI: Ctrl-C unwinds
+init_ray(num_cpus=2, dashboard=False)
+try:
+    print(run_pre_sweep_task("long build", long_build, 600.0, progress_kw="progress"), flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+finally:
+    shutdown_ray()
+"""
+
+
+@pytest.mark.slow  # ~30 s: a local Ray cluster
+def test_ctrl_c_during_a_long_pre_sweep_task_stops_it_at_once(tmp_path):
+    """A pre-sweep task whose work would run 10 minutes (a feature build of a large BERT): SIGINT to the
+    driver ends the driver within 20 s and leaves no process of the task running; the work did not finish."""
+    import signal
+    import time
+
+    import psutil
+
+    script = tmp_path / "long_task.py"
+    script.write_text(LONG_TASK, encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "NMTCORE_NO_PROGRESS": "1"})
+    lines: list[str] = []
+    deadline = time.time() + 180
+    while time.time() < deadline and not any("long build: batch" in line for line in lines[-1:]):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert proc.poll() is None, "".join(lines)[-3000:]
+    children = psutil.Process(proc.pid).children(recursive=True)  # the cluster's processes, the task's worker too
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert time.time() - t0 < 20, out[-2000:]
+    assert "interrupted" in out and "finished" not in out, out[-3000:]
+    time.sleep(5)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -166,19 +167,22 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         print("\n".join(dry_run(space, base, settings, baseline=baseline).lines()))
         return 0
     t0 = time.perf_counter()
+    stop = SigtermAsCtrlC()
     try:
-        result = run_sweep(space, base, settings, baseline=baseline)
-    except KeyboardInterrupt:
+        with stop:
+            result = run_sweep(space, base, settings, baseline=baseline)
+    except KeyboardInterrupt as e:
+        signum = stop.received or getattr(e, "signum", signal.SIGINT)
         again = [a for a in sys.argv if a != "--resume"]
         from nmtcore.sweep.state import STATE_FILE
 
         started = (Path(settings.storage) / settings.name / STATE_FILE).is_file()
-        print(f"\n{Path(sys.argv[0]).name}: stopped by SIGINT; what was finished is kept ("
+        print(f"\n{Path(sys.argv[0]).name}: stopped by {signal.Signals(signum).name}; what was finished is kept ("
               + ("its trials' checkpoints: resume with python " + " ".join(again) + " --resume"
                  + ("" if args.name else f" --name {settings.name}") if started else
                  "the data, BERTs, feature caches and the baseline's checkpoints are cached: the same command "
                  "continues from them") + ")", file=sys.stderr)
-        return 130
+        return 128 + int(signum)
     print(f"\nsweep {result.name} {'INTERRUPTED' if result.interrupted else 'finished'} in "
           f"{time.perf_counter() - t0:.0f} s: {len(result.trials)} trials "
           f"({', '.join(f'{t.status}' for t in result.trials)})")
@@ -196,7 +200,39 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     if result.interrupted:
         again = [a for a in sys.argv if a != "--resume"]
         print(f"resume with: python {' '.join(again)} --resume" + ("" if args.name else f" --name {result.name}"))
+        if stop.received:
+            print(f"{Path(sys.argv[0]).name}: stopped by {signal.Signals(stop.received).name}; the trials' "
+                  "checkpoints are kept", file=sys.stderr)
+            return 128 + stop.received
     return 1 if result.interrupted else 0
+
+
+class SigtermAsCtrlC:
+    """While a sweep runs, SIGTERM (how schedulers and ``kill`` stop a job) stops it as Ctrl-C does: during the
+    trials through Tune's own graceful stop (its SIGINT handler saves the experiment state, so ``--resume``
+    continues; a second signal skips that), elsewhere as a ``KeyboardInterrupt`` where the main thread is.
+    ``received`` is the signal's number once one arrived, for the exit status and the last line."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._before: Any = None
+
+    def __enter__(self) -> "SigtermAsCtrlC":
+        self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._before)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        on_ctrl_c = signal.getsignal(signal.SIGINT)
+        if callable(on_ctrl_c) and on_ctrl_c is not signal.default_int_handler:
+            on_ctrl_c(signal.SIGINT, frame)  # Tune's: it stops the trials and saves their state
+            return
+        from nmtcore.cli.main import Stopped
+
+        raise Stopped(signum)
 
 
 def entry_point(study: Any, doc: str, variant_flag: str = "--variant") -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -69,6 +71,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     for k, v in env_vars.items():
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
+        # ray.init replaces the process's SIGTERM handler (a sys.exit, then its core's crash handler, which
+        # aborts with a stack dump): a handler the caller set (a sweep's: one line, 143) is put back after it.
+        sigterm = signal.getsignal(signal.SIGTERM)
         kwargs: dict[str, Any] = {"log_to_driver": log_to_driver,
                                   "runtime_env": {"env_vars": {**env_vars, **(worker_env or {})}},
                                   "configure_logging": True, "logging_level": logging.WARNING}
@@ -89,6 +94,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
             _local_cluster_pid = os.getpid()
             yield_control_plane()
         url = getattr(ctx, "dashboard_url", None)
+        if callable(sigterm) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
     else:
         url = dashboard_url()
     if url and not url.startswith("http"):
