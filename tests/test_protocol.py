@@ -210,6 +210,19 @@ def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_a
         old = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)
     assert (root / old.key / store.INPUTS_FILE).is_file()
 
+    # Before it is adopted, the newer code's sweep names it in a line before it would train a new one.
+    sums = store.prepare_data(cfg.data).checksums
+    assert [r["key"] for r in store.adoptable(cfg, sums, root)] == [old.key]
+    assert store.adoptable(cfg.with_overrides({"train.lr": 1e-3}), sums, root) == []
+    with monkeypatch.context() as m:
+        m.setattr(store, "_train", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("would train")))
+        lines: list[str] = []
+        with pytest.raises(RuntimeError, match="would train"):
+            store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lines.append)
+    assert lines == [f"baseline {store.baseline_key(cfg, sums)[:12]}: none trained by this code; {old.key} (trained "
+                     f"{old.meta['created']}) has the same config and data, other engine code: if the change touches "
+                     f"no weight, stop now and add --adopt-baseline {old.key} to reuse it"], lines
+
     with pytest.raises(store.AdoptError, match="another config.*train.lr"):
         store.adopt_baseline(cfg.with_overrides({"train.lr": 1e-3}), old.key, root, tracking_uri=uri)
     with pytest.raises(store.AdoptError, match="no baseline nope"):

@@ -134,6 +134,10 @@ def ensure_baseline(cfg: ExperimentConfig, root: str | Path | None = None, *, tr
         with file_lock(root / f"{key}.lock"):
             found = find_baseline(root, key)  # a concurrent sweep may have finished it meanwhile
             if found is None:
+                for other in adoptable(cfg, data.checksums, root):
+                    progress(f"baseline {key[:12]}: none trained by this code; {other['key']} (trained "
+                             f"{other['created']}) has the same config and data, other engine code: if the change "
+                             f"touches no weight, stop now and add --adopt-baseline {other['key']} to reuse it")
                 found = _train(cfg, root, key, data, tracking_uri, experiment, progress, callbacks)
     else:
         progress(f"baseline {key[:12]}: reused ({found.meta['fit']['epochs']} epochs, valid loss "
@@ -305,6 +309,20 @@ def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
                     "epochs": meta["fit"]["epochs"] if meta else checkpointed_epochs(d / "run"), "adopted_as": adopted,
                     "created": meta.get("created") if meta else None})
     return out
+
+
+def adoptable(cfg: ExperimentConfig, data_checksums: Mapping[str, str], root: str | Path) -> list[dict[str, Any]]:
+    """The finished baselines under ``root`` that :func:`adopt_baseline` would accept for ``cfg``: the same weight
+    config and data, trained by other code (``key``, ``created``), newest first."""
+    mine = json.dumps(weight_config(cfg), sort_keys=True, default=repr)
+    out = []
+    for row in stored_baselines(root):
+        meta = json.loads((Path(root) / row["key"] / "meta.json").read_text(encoding="utf-8")) if row["finished"] \
+            else {}
+        if json.dumps(meta.get("weight_config"), sort_keys=True, default=repr) == mine and meta.get("code") and \
+                baseline_key(cfg, data_checksums, code=meta["code"]) == row["key"]:
+            out.append({"key": row["key"], "created": row["created"]})
+    return sorted(out, key=lambda r: str(r["created"]), reverse=True)
 
 
 def _adoptions(directory: Path) -> list[dict[str, Any]]:
