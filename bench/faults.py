@@ -25,7 +25,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "NMTCORE_OFFLINE": "1", "PYTHONPATH": str(REPO)}  # this checkout's nmtcore, wherever installed
-ERROR_PREFIXES = ("nmtcore: error: ", "nmtcore: stopped by ", "bert_size_grid.py: error: ")  # one line, ours
+ERROR_PREFIXES = ("nmtcore: error: ", "nmtcore: stopped by ", "bert_size_grid.py: error: ",
+                  "bert_size_grid.py: stopped by ")  # one line, ours
 LOG_RECORD = re.compile(r"\d{4}[-/]\d\d[-/]\d\d \d\d:\d\d:\d\d\S* (DEBUG|INFO|WARNING) ")
 
 
@@ -78,14 +79,15 @@ def sweep(*argv) -> Callable[[World], tuple[list[str], subprocess.CompletedProce
 
 
 def signalled(sig: signal.Signals, argv: Callable[[World], list[str]], when: Callable[[World], bool],
-              stdin: Callable[[World], str] | None = None):
-    """A case that starts ``nmtcore <argv>`` and sends ``sig`` once ``when(world)`` holds."""
+              stdin: Callable[[World], str] | None = None, program: tuple[str, ...] = ("-m", "nmtcore.cli")):
+    """A case that starts ``nmtcore <argv>`` (or ``python <program> <argv>``) and sends ``sig`` once
+    ``when(world)`` holds."""
     def run(w: World):
         args = [str(a) for a in argv(w)]
         source = write(w, "signal-input.txt", stdin(w) if stdin is not None else "")
         out_path, err_path = w.root / "signal-stdout.txt", w.root / "signal-stderr.txt"
         with open(source) as fin, open(out_path, "w") as fout, open(err_path, "w") as ferr:
-            proc = subprocess.Popen([sys.executable, "-m", "nmtcore.cli", *args], cwd=REPO, text=True,
+            proc = subprocess.Popen([sys.executable, *program, *args], cwd=REPO, text=True,
                                     stdin=fin, stdout=fout, stderr=ferr, env=ENV)
             t0 = time.time()
             while not (handles(proc.pid, sig) and when(w)) and proc.poll() is None and time.time() - t0 < 300:
@@ -95,7 +97,8 @@ def signalled(sig: signal.Signals, argv: Callable[[World], list[str]], when: Cal
                 proc.send_signal(sig)
             proc.wait(120)
         out, err = out_path.read_text(), err_path.read_text()
-        return (["nmtcore", *args, f"(then {sig.name})"],
+        shown = ["nmtcore"] if program[0] == "-m" else ["python", str(Path(program[0]).relative_to(REPO))]
+        return ([*shown, *args, f"(then {sig.name})"],
                 subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return run
 
@@ -156,6 +159,24 @@ def corpus_with(w: World, edit: Callable[[Path], None]) -> Path:
         shutil.copytree(w.root / "data", data)
     edit(data)
     return data
+
+
+SWEEP = (str(REPO / "sweeps" / "bert_size_grid.py"),)
+
+
+def smoke_sweep(w: World) -> list[str]:
+    """The main job's smoke test with its storage, MLflow store and baselines in the case's directory."""
+    return ["--smoke-test", "--name", "stopped", "--storage", w.root / "sweeps", "--tracking-uri",
+            f"sqlite:///{w.root / 'mlflow.db'}", "--baseline-store", w.root / "baselines"]
+
+
+def trial_checkpoints(w: World) -> list[Path]:
+    return sorted((w.root / "sweeps" / "stopped").glob("*/checkpoint_*"))
+
+
+def sweep_kept(w: World) -> str:
+    state = (w.root / "sweeps" / "stopped" / "nmtcore_sweep.json").is_file()
+    return f"{len(trial_checkpoints(w))} trial checkpoint(s)" + (", the sweep's state" if state else "")
 
 
 def truncated_checkpoint(w: World) -> Path:
@@ -263,6 +284,12 @@ CASES = [
     Case("eval-empty", "empty hypothesis and reference files", 2,
          cli("evaluate", "--hyp", lambda w: write(w, "h.txt", ""), "--ref", lambda w: write(w, "r.txt", "")),
          lambda w: "nothing written"),
+    # sweeps: signals (a local Ray cluster, the smoke test's tiny trials)
+    Case("sigterm-sweep", "SIGTERM while a sweep's trials run", 143,
+         signalled(signal.SIGTERM, smoke_sweep, lambda w: bool(trial_checkpoints(w)), program=SWEEP), sweep_kept),
+    Case("resume-after-sigterm-sweep", "the same sweep with --resume after SIGTERM: finishes", 0,
+         lambda w: (signalled(signal.SIGTERM, smoke_sweep, lambda w: bool(trial_checkpoints(w)), program=SWEEP)(w),
+                    sweep(*smoke_sweep(w), "--resume")(w))[1], sweep_kept),
     # sweeps (refused before Ray starts)
     Case("sweep-nothing-to-resume", "--resume of a sweep that never ran", 2,
          sweep("--resume", "--name", "never", "--storage", lambda w: w.root / "sweeps"),

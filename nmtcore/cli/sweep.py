@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import typing
 from pathlib import Path
@@ -218,11 +219,13 @@ class SigtermAsCtrlC:
         self._before: Any = None
 
     def __enter__(self) -> "SigtermAsCtrlC":
-        self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._before)
+        if self._before is not None:
+            signal.signal(signal.SIGTERM, self._before)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.received = signum
