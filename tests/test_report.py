@@ -46,6 +46,8 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
                                                            if state == "failed" else {})})
         run.end("FAILED" if state == "failed" else "FINISHED")
         return
+    b = corpus_bleu(h, REFS)
+    run.log_metrics({f"test/{SPLIT}/bp": b.bp, f"test/{SPLIT}/len_ratio": b.sys_len / b.ref_len}, step=2)
     run.log_metrics({f"test/{SPLIT}/bleu": corpus_bleu(h, REFS).score, f"test/{SPLIT}/chrf": corpus_chrf(h, REFS).score,
                      "cost/parameters": 2e6, "cost/wall_s": 120.0, "cost/cpu_s": 200.0,
                      "cost/train_tokens_per_s": 1000.0, "final/num_updates": 50.0}, step=2)
@@ -341,3 +343,22 @@ def test_an_estimate_logged_before_training_stands_beside_what_each_arm_took(tmp
 
     without = stage_sweep(tmp_path, "plain", "patience")  # a sweep that logged no estimate: no column
     assert "estimated (min)" not in report.table_rows(results.build_report("plain", without, n_bootstrap=0))[0]
+
+
+def test_an_arm_that_writes_shorter_output_shows_its_length_and_brevity_penalty(tmp_path):
+    """Output cut short at full precision loses BLEU to the brevity penalty: the table says so per arm."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="toy", tags={
+        lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", list(REFS), control=True)
+    add_trial(parent, tmp_path, 1, 1, "short", [" ".join(r.split()[:-2]) for r in REFS], {"arm": "short"})
+    parent.end()
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    rows = {r["arm"]: r for r in report.table_rows(rep)}
+    assert (rows["control"]["length"], rows["control"]["BP"]) == ("1.000", "1.000")
+    js = {r["arm"]: r for r in report.json_rows(rep)}
+    assert js["short"]["len_ratio_mean"] == pytest.approx(5 / 7) and js["short"]["bp_mean"] < 0.7
+    assert rows["short"]["length"] == "0.714"
+    assert float(rows["short"]["BP"]) == pytest.approx(js["short"]["bp_mean"], abs=1e-3)
+    assert "`BP` BLEU's brevity penalty" in report.render_markdown(rep)

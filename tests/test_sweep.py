@@ -194,7 +194,8 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
     assert sorted(c.params["model.d_model"] for c in children) == ["32", "48", "64"]
     for c in children:
         assert c.status == "FINISHED" and c.tags[lifecycle.TRIAL_STATE_TAG] == "complete"
-        for key in ("valid_loss", "valid_bleu", "test/test/bleu", "test/test/chrf", "cost/parameters",
+        for key in ("valid_loss", "valid_bleu", "test/test/bleu", "test/test/chrf", "test/test/bp",
+                    "test/test/len_ratio", "cost/parameters",
                     "cost/trainable_parameters", "cost/train_tokens_per_s", "cost/wall_s", "cost/cpu_s"):
             assert key in c.metrics, key
         epochs = tracking.get_run_metrics(c.run_id, store)["valid_loss"]

@@ -82,8 +82,18 @@ def test_learning_synthetic_translation(tmp_path, capsys):
     summary = run_experiment(cfg)
     cpu = time.process_time() - t0
     torch.set_num_threads(2)
-    bleu = summary.test["test"].bleu
+    test = summary.test["test"]
+    bleu = test.bleu
     assert bleu >= 85, summary
+    from pathlib import Path
+
+    from nmtcore.bleu import corpus_bleu
+    from nmtcore.data import prepare_data
+
+    # The length figures the report shows are sacreBLEU's, on the hypotheses written.
+    b = corpus_bleu(Path(test.hyp_path).read_text(encoding="utf-8").splitlines(),
+                    prepare_data(cfg.data).splits["test"].raw_tgt)
+    assert (test.bp, test.len_ratio) == (b.bp, b.sys_len / b.ref_len) and 0 < test.len_ratio < 2
     with capsys.disabled():
         print(f"\nsynthetic translation: test BLEU {bleu:.1f} in {cpu:.0f} CPU seconds on one thread")
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,7 +39,9 @@ class FitResult:
 
 @dataclass
 class TestScore:
-    """One test split decoded with ``cfg.decode``: sacreBLEU BLEU and chrF, where the hypotheses are, speed."""
+    """One test split decoded with ``cfg.decode``: sacreBLEU BLEU and chrF, where the hypotheses are, speed; BLEU's
+    brevity penalty and the output's length over the references' (BLEU's tokens): a shorter output loses BLEU at
+    equal precision."""
 
     __test__ = False  # not a pytest test class
 
@@ -47,6 +51,8 @@ class TestScore:
     hyp_path: str
     decode_wall_s: float
     sentences_per_s: float
+    bp: float = math.nan
+    len_ratio: float = math.nan
 
 
 @dataclass

@@ -55,13 +55,15 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
     for split in report.test_splits:
         for g in report.groups:
             bleus = list(g.bleu.get(split, {}).values())
-            chrfs = [x for x in g.chrf.get(split, {}).values() if not math.isnan(x)]
+            chrfs, bps, lens = ([x for x in figure.get(split, {}).values() if not math.isnan(x)]
+                                for figure in (g.chrf, g.bp, g.len_ratio))
             c = g.comparisons.get(split, Comparison())
             rows.append({
                 "test_set": split, "arm": g.label, "control": g.control, "reference": g is report.reference,
                 **{short(k): v for k, v in g.values.items()},
                 "n_seeds": len(bleus), "bleu_mean": mean(bleus), "bleu_sd": _sd(bleus), "bleu_by_seed": dict(
-                    g.bleu.get(split, {})), "chrf_mean": mean(chrfs),
+                    g.bleu.get(split, {})), "chrf_mean": mean(chrfs), "bp_mean": mean(bps),
+                "len_ratio_mean": mean(lens),
                 "delta": 0.0 if g is report.reference else c.delta, "ci_low": c.ci_low, "ci_high": c.ci_high,
                 "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
@@ -91,6 +93,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             **{short(k): fmt(row[short(k)]) if short(k) in row else "" for k in report.varied_keys if k != "arm"},
             "seeds": str(row["n_seeds"]),
             "BLEU": _pm(row["bleu_mean"], row["bleu_sd"]), "chrF": _f(row["chrf_mean"]),
+            "length": _f(row["len_ratio_mean"], 3), "BP": _f(row["bp_mean"], 3),
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
@@ -116,8 +119,10 @@ def render_markdown(report: SweepReport) -> str:
     ref = report.reference.label if report.reference is not None else "—"
     head = [f"### {report.sweep}: {report.space.get('description') or report.study}", "",
             f"Protocol: {report.protocol or 'not recorded'}. Reference row: `{ref}`. BLEU: sacreBLEU, detokenized, "
-            "mean ± sd over seeds. ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds "
-            "pooled) against the reference; p (seeds): paired t-test across seeds. "
+            "mean ± sd over seeds; `length`: the output's length over the references' and `BP` BLEU's brevity "
+            "penalty (a shorter output loses BLEU at equal n-gram precision). ΔBLEU, 95% CI and p (two-sided) from a "
+            "paired bootstrap (1000 resamples, seeds pooled) against the reference; p (seeds): paired t-test across "
+            "seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
     if report.estimate:
         est = report.estimate

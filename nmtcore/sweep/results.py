@@ -59,6 +59,8 @@ class Group:
     order: int  # first Tune trial index: the grid's order
     bleu: dict[str, dict[str, float]] = field(default_factory=dict)  # test set → seed → BLEU
     chrf: dict[str, dict[str, float]] = field(default_factory=dict)
+    bp: dict[str, dict[str, float]] = field(default_factory=dict)  # BLEU's brevity penalty
+    len_ratio: dict[str, dict[str, float]] = field(default_factory=dict)  # output length / reference length
     valid_metric: list[float] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     updates: list[float] = field(default_factory=list)
@@ -229,6 +231,8 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
             if f"test/{split}/bleu" in r.metrics:
                 g.bleu.setdefault(split, {})[seed] = r.metrics[f"test/{split}/bleu"]
                 g.chrf.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/chrf", math.nan)
+                g.bp.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/bp", math.nan)
+                g.len_ratio.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/len_ratio", math.nan)
         curve = curves.get(r.run_id, {})
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))

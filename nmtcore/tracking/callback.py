@@ -87,6 +87,8 @@ class TrackingCallback(Callback):
         for split, scores in summary.test.items():
             final[f"test/{split}/bleu"] = scores.bleu
             final[f"test/{split}/chrf"] = scores.chrf
+            final[f"test/{split}/bp"] = scores.bp
+            final[f"test/{split}/len_ratio"] = scores.len_ratio
             final[f"test/{split}/sentences_per_s"] = scores.sentences_per_s
             self.tracker.log_artifact(scores.hyp_path, artifact_path="hypotheses")
             self.tracker.set_tags({schema.bleu_signature(split): scores.signature})
