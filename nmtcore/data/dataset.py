@@ -256,8 +256,8 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     for split, pt in texts.items():
         for side, lang in enumerate((cfg.src_lang, cfg.tgt_lang)):
             sums = [sha256_file(f[side]) for f in pt.files]  # a split joined from several files: a digest of theirs
-            joined = hashlib.sha256(" ".join(sums).encode()).hexdigest()
-            checksums[f"{split}.{lang}"] = sums[0] if len(sums) == 1 else joined
+            checksums[f"{split}.{lang}"] = (sums[0] if len(sums) == 1 else
+                                            hashlib.sha256(" ".join(sums).encode()).hexdigest())
 
     cache = cfg.resolved_cache_dir()
     train = texts[cfg.train_split]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 from typing import Any
 

@@ -271,9 +271,7 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
         raise AdoptError(f"baseline {old_key[:12]} records no key inputs (neither meta.json nor {INPUTS_FILE}): "
                          "cannot check that only the code differs")
     mine = key_inputs(cfg, data.checksums, new_key)
-    same = json.dumps(record.get("weight_config"), sort_keys=True, default=repr) == \
-        json.dumps(mine["weight_config"], sort_keys=True, default=repr)
-    if not same:
+    if not _same_weight_config(record.get("weight_config"), mine["weight_config"]):
         theirs, ours = record.get("weight_config") or {}, mine["weight_config"]
         diff = sorted(k for k in set(theirs) | set(ours) if repr(theirs.get(k)) != repr(ours.get(k)))
         raise AdoptError(f"baseline {old_key[:12]} trained another config ({', '.join(diff[:5])}): not adoptable")
@@ -314,15 +312,19 @@ def stored_baselines(root: str | Path) -> list[dict[str, Any]]:
 def adoptable(cfg: ExperimentConfig, data_checksums: Mapping[str, str], root: str | Path) -> list[dict[str, Any]]:
     """The finished baselines under ``root`` that :func:`adopt_baseline` would accept for ``cfg``: the same weight
     config and data, trained by other code (``key``, ``created``), newest first."""
-    mine = json.dumps(weight_config(cfg), sort_keys=True, default=repr)
+    mine = weight_config(cfg)
     out = []
-    for row in stored_baselines(root):
-        meta = json.loads((Path(root) / row["key"] / "meta.json").read_text(encoding="utf-8")) if row["finished"] \
-            else {}
-        if json.dumps(meta.get("weight_config"), sort_keys=True, default=repr) == mine and meta.get("code") and \
+    for row in (r for r in stored_baselines(root) if r["finished"]):
+        meta = json.loads((Path(root) / row["key"] / "meta.json").read_text(encoding="utf-8"))
+        if _same_weight_config(meta.get("weight_config"), mine) and meta.get("code") and \
                 baseline_key(cfg, data_checksums, code=meta["code"]) == row["key"]:
             out.append({"key": row["key"], "created": row["created"]})
     return sorted(out, key=lambda r: str(r["created"]), reverse=True)
+
+
+def _same_weight_config(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two recorded weight configs are equal as :func:`baseline_key` hashes them (JSON, sorted keys)."""
+    return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
 
 
 def _adoptions(directory: Path) -> list[dict[str, Any]]:
