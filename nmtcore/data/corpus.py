@@ -153,7 +153,7 @@ CORPORA["docparallel"] = Corpus(
     missing_hint="put the {split}.<lang> files (plain or .gz, a line <d> before each document) there, or point "
     "--data-dir / NMTCORE_DATA at the directory that has them")
 # The document-level training set that exists offline: only the dev and test sets of Maruf et al. (2019) are in
-# the team copy, so their three dev sets joined (14.7k sentences) train, News test validates, TED test tests.
+# the team copy, so their three dev sets joined train, News test validates, TED test tests (sizes: docs/data.md).
 CORPORA["maruf2019_devtest"] = Corpus(
     name="maruf2019_devtest", description="Maruf et al. (2019) En-De documents, dev and test only: train = the "
     "TED, News Commentary and Europarl dev sets joined, valid = News Commentary test, test = TED test",
