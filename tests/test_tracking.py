@@ -284,3 +284,65 @@ def test_a_resume_logs_the_epochs_its_checkpoint_has_and_its_run_lacks(store: st
     metrics = get_run_metrics(run_id, store)
     assert metrics["valid_loss"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
     assert metrics["train_loss"] == [(1, 5.0), (2, 4.0), (3, 3.0)]
+
+
+def test_a_store_killed_while_its_schema_is_made_leaves_no_half_made_database(tmp_path: Path) -> None:
+    """SIGKILL while MLflow creates a new store's tables (a sweep stopped in its first seconds): before, the
+    database kept part of its tables and every later run failed on it (``table _alembic_tmp_trace_tags already
+    exists``); now the schema is built under another name and linked into place only when complete, so the
+    next run simply creates the store."""
+    import signal
+    import sys
+
+    db = tmp_path / "store" / "mlflow.db"
+    code = f"from nmtcore.tracking import Tracker; Tracker('sqlite:///{db}').end()"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 120
+    seen: list[str] = []
+    while time.time() < deadline and proc.poll() is None:
+        seen = [p.name for p in db.parent.glob("*")] if db.parent.exists() else []
+        if any(name.startswith((".mlflow.db.creating-", "mlflow.db")) for name in seen):
+            time.sleep(0.3)  # well inside the seconds the migrations take
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, f"the process ended before it was killed: {seen}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not db.exists(), "a killed creation left a database behind"
+    with Tracker(f"sqlite:///{db}", run_name="after") as tracker:
+        tracker.log_metrics({"m": 1.0}, step=0)
+    assert [r.run_name for r in load_runs(tracking_uri=f"sqlite:///{db}")] == ["after"]
+    assert sorted(p.name for p in db.parent.iterdir() if p.name.startswith(".mlflow.db.creating-")) == []
+
+
+def test_two_processes_creating_one_store_at_once_both_run(tmp_path: Path) -> None:
+    import sys
+
+    db = tmp_path / "mlflow.db"
+    code = ("import sys; from nmtcore.tracking import Tracker; "
+            f"Tracker('sqlite:///{db}', run_name=sys.argv[1]).end()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, name]) for name in ("a", "b")]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    assert sorted(r.run_name for r in load_runs(tracking_uri=f"sqlite:///{db}")) == ["a", "b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mlflow.db"]
+
+
+def test_a_half_made_store_is_named_in_one_line(tmp_path: Path) -> None:
+    """A database an interrupted creation left half-made (as before the schema was built aside): one line that
+    says so and what it holds, not MLflow's migration traceback."""
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY)")
+        con.execute("CREATE TABLE runs (run_uuid TEXT PRIMARY KEY)")
+        con.execute("CREATE TABLE alembic_version (version_num TEXT)")
+        con.execute("CREATE TABLE _alembic_tmp_trace_tags (key TEXT)")
+    con.close()
+    with pytest.raises(TrackingError) as err:
+        Tracker(f"sqlite:///{db}")
+    message = str(err.value)
+    assert "\n" not in message and str(db) in message
+    assert "half-made" in message and "_alembic_tmp_trace_tags" in message and "holds no runs" in message
+    with pytest.raises(TrackingError, match="half-made"):
+        load_runs(tracking_uri=f"sqlite:///{db}")  # reading does not start MLflow's migrations on it either

@@ -11,8 +11,11 @@ import contextlib
 import json
 import logging
 import os
+import socket
+import sqlite3
 import tempfile
 import threading
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,6 +284,7 @@ def _reader(tracking_uri: str | os.PathLike | None) -> Iterator[MlflowClient]:
     path, _ = sqlite_path(uri)
     if path is not None and path != ":memory:" and not os.path.exists(path):
         raise TrackingError(f"no tracking store at {path} ({uri})")
+    ensure_sqlite_schema(uri)
     try:
         yield MlflowClient(uri)
     except (MlflowException, OSError) as e:
@@ -313,3 +317,82 @@ def _check_key(key: str) -> None:
 def _chunks(items: list[T], size: int) -> Iterator[list[T]]:
     for i in range(0, len(items), size):
         yield items[i: i + size]
+
+
+# ---------------------------------------------------------------------------------- sqlite schema
+def ensure_sqlite_schema(tracking_uri: str) -> None:
+    """Give a sqlite tracking URI a complete MLflow schema; other URIs are left alone.
+
+    MLflow creates a missing database's tables in place, one migration after another, over several seconds;
+    a process killed in between leaves a database that holds part of them, and MLflow then fails on it for
+    good (``table _alembic_tmp_... already exists``). Here a missing database is built under a temporary
+    name in the same directory and hard-linked to its real name only when complete: a kill leaves either
+    no store or a whole one. Two processes creating it at once each build their own; the first link wins
+    and the other discards its copy. An existing database that an interrupted creation left half-made
+    (before this was done here) is reported in one line, with what it holds, instead of MLflow's traceback.
+    """
+    path, query = sqlite_path(tracking_uri)
+    if path is None or path == ":memory:":
+        return
+    db = Path(path)
+    if db.exists():
+        _check_complete(db, tracking_uri)
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    _remove_dead_drafts(db)
+    draft = db.with_name(f"{_draft_prefix(db)}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    draft_uri = f"sqlite:///{draft}{query}"
+    try:
+        store = SqlAlchemyStore(draft_uri, str(db.parent / "artifacts"))
+        store.engine.dispose()
+        getattr(SqlAlchemyStore, "_engine_map", {}).pop(draft_uri, None)  # MLflow caches one engine per URI
+        try:
+            os.link(draft, db)
+        except FileExistsError:
+            pass  # another process linked its complete copy first
+        except OSError:  # a filesystem without hard links: a rename, which can only lose a same-instant race
+            if not db.exists():
+                os.replace(draft, db)
+    finally:
+        for leftover in (draft, draft.with_name(draft.name + "-journal")):
+            leftover.unlink(missing_ok=True)
+
+
+def _draft_prefix(db: Path) -> str:
+    return f".{db.name}.creating-"
+
+
+def _remove_dead_drafts(db: Path) -> None:
+    """Drafts that a killed process of this host left behind (a live process's, or another host's, stay)."""
+    host = socket.gethostname()
+    for draft in db.parent.glob(f"{_draft_prefix(db)}{host}-*"):
+        pid = draft.name[len(_draft_prefix(db)) + len(host) + 1:].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            draft.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def _check_complete(db: Path, tracking_uri: str) -> None:
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True, timeout=30)) as con:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                return  # an empty file: MLflow creates the schema (a store made before this function existed)
+            scratch = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+            if not scratch and "alembic_version" in tables:
+                return
+            runs = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+    except sqlite3.DatabaseError as e:
+        raise TrackingError(f"tracking store {db} is not a readable sqlite database ({tracking_uri}): "
+                            f"{one_line(e)}") from None
+    why = f"table {scratch[0]} is a migration's scratch table" if scratch else "it has no schema version"
+    advice = ("it holds no runs: delete it and run again" if runs == 0 else
+              f"it holds {runs} runs: copy it aside, then try `mlflow db upgrade {tracking_uri}`")
+    raise TrackingError(f"tracking store {db} was left half-made by an interrupted schema creation ({why}); "
+                        f"{advice}")

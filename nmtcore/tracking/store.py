@@ -10,7 +10,9 @@ Artifacts of experiments created here go next to a sqlite database (``<db dir>/a
 MLflow's default ``./mlruns`` of whatever directory the first run happened to start in. The file store
 (``file:./mlruns``) is in maintenance mode in MLflow 3 and is not used. Create a new sqlite store from one
 process (the sweep driver's parent run does it) before parallel trials open it: creating its schema takes
-seconds and is not meant to run concurrently.
+seconds and is not meant to run concurrently. A new sqlite store's schema is built in a file beside it and
+linked into place when complete (:func:`~nmtcore.tracking.runs.ensure_sqlite_schema`), so a process killed while it is made (a
+SIGTERM in a sweep's first seconds) leaves no store rather than a half-made one that every later run fails on.
 
 Failure policy — tracking is part of the experiment's record, so:
 
@@ -58,6 +60,7 @@ from nmtcore.tracking.runs import (
     _chunks,
     _fail_fast_http,
     _is_transient,
+    ensure_sqlite_schema,
 )
 
 
@@ -105,6 +108,7 @@ class Tracker:
         self.resumed = run_id is not None
         store_dir = check_local_store(self.tracking_uri)
         try:
+            ensure_sqlite_schema(self.tracking_uri)
             with _fail_fast_http(start_timeout_s):
                 self._client = MlflowClient(self.tracking_uri)
                 if run_id is not None:
@@ -281,3 +285,4 @@ class Tracker:
             logger.warning("MLflow %s failed for run %s (%s); training continues", what, self._run_id,
                            one_line(e))
             return None
+
