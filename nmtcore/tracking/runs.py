@@ -365,9 +365,9 @@ def _draft_prefix(db: Path) -> str:
 
 def _remove_dead_drafts(db: Path) -> None:
     """Drafts that a killed process of this host left behind (a live process's, or another host's, stay)."""
-    host = socket.gethostname()
-    for draft in db.parent.glob(f"{_draft_prefix(db)}{host}-*"):
-        pid = draft.name[len(_draft_prefix(db)) + len(host) + 1:].split("-", 1)[0]
+    mine = f"{_draft_prefix(db)}{socket.gethostname()}-"
+    for draft in db.parent.glob(f"{mine}*"):
+        pid = draft.name[len(mine):].split("-", 1)[0]
         if not pid.isdigit():
             continue
         try:

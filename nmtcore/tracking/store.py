@@ -11,8 +11,9 @@ MLflow's default ``./mlruns`` of whatever directory the first run happened to st
 (``file:./mlruns``) is in maintenance mode in MLflow 3 and is not used. Create a new sqlite store from one
 process (the sweep driver's parent run does it) before parallel trials open it: creating its schema takes
 seconds and is not meant to run concurrently. A new sqlite store's schema is built in a file beside it and
-linked into place when complete (:func:`~nmtcore.tracking.runs.ensure_sqlite_schema`), so a process killed while it is made (a
-SIGTERM in a sweep's first seconds) leaves no store rather than a half-made one that every later run fails on.
+linked into place when complete (:func:`~nmtcore.tracking.runs.ensure_sqlite_schema`), so a process killed
+while it is made (a SIGTERM in a sweep's first seconds) leaves no store rather than a half-made one that
+every later run fails on.
 
 Failure policy — tracking is part of the experiment's record, so:
 
@@ -285,4 +286,3 @@ class Tracker:
             logger.warning("MLflow %s failed for run %s (%s); training continues", what, self._run_id,
                            one_line(e))
             return None
-
