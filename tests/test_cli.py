@@ -190,10 +190,11 @@ def test_sigterm_stops_a_sweep_with_one_line_and_143_then_resume_finishes_it(tmp
     assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
     time.sleep(5)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children
-    again = [*cmd, "--resume"] if "epoch" in phase else cmd  # a sweep stopped before its trials has no state yet
+    again = [*cmd, "--resume"]  # before its trials a sweep has no state yet: --resume starts it again
     done = subprocess.run(again, cwd=root, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "sweep stopped finished" in done.stdout and "TERMINATED" in done.stdout, done.stdout[-3000:]
+    assert ("stopped before its trials began" in done.stdout) == ("epoch" not in phase), done.stdout[-3000:]
     assert not [t for t in ("PENDING", "ERROR", "RUNNING") if f" {t} " in done.stdout], done.stdout[-3000:]
 
 

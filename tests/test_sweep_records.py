@@ -96,3 +96,30 @@ def test_a_trial_launch_pickles_and_refuses_what_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="must be >= 0"):
         TrialLaunch(cfg=cfg, run_id="r", tracking_uri="u", trial_key="k", trial_id="t", test_split="s", metric="m",
                     threads=-1)
+
+
+def test_resume_before_the_trials_starts_the_sweep_again_and_a_never_begun_one_is_refused(tmp_path, capsys):
+    """A sweep stopped while its shared work ran (the baseline: tens of minutes) has no state file yet; its
+    ``--resume`` starts it again (once it said "no sweep to resume"). A name that never began, or began another
+    space, is still refused in one line."""
+    from dataclasses import replace
+
+    from nmtcore.sweep import driver
+    from nmtcore.sweep.space import SearchSpace, grid
+    from nmtcore.sweep.state import STARTED_FILE, mark_started
+    from nmtcore.testing.sweeps import tiny_base, tiny_settings
+
+    space = SearchSpace("resume", "t", "transformer", params={"model.d_model": grid((32, 48))})
+    base = tiny_base(tmp_path)
+    settings = tiny_settings(tmp_path, "early", "sqlite:///unused.db", resume=True)
+    exp_dir = str(tmp_path / "sweeps" / "early")
+    with pytest.raises(SweepError, match="no sweep 'early' to resume"):
+        driver._resumed(space, base, settings, exp_dir)
+    mark_started(exp_dir, "other-space")
+    with pytest.raises(SweepError, match="no sweep 'early' to resume"):
+        driver._resumed(space, base, settings, exp_dir)
+    mark_started(exp_dir, space.name)
+    assert (tmp_path / "sweeps" / "early" / STARTED_FILE).is_file()
+    state, space2, base2, settings2 = driver._resumed(space, base, settings, exp_dir)
+    assert state is None and space2 is space and base2 is base and settings2 == replace(settings, resume=False)
+    assert "stopped before its trials began" in capsys.readouterr().out

@@ -181,8 +181,8 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         print(f"\n{Path(sys.argv[0]).name}: stopped by {signal.Signals(signum).name}; what was finished is kept ("
               + ("its trials' checkpoints: resume with python " + " ".join(again) + " --resume"
                  + ("" if args.name else f" --name {settings.name}") if started else
-                 "the data, BERTs, feature caches and the baseline's checkpoints are cached: the same command "
-                 "continues from them") + ")", file=sys.stderr)
+                 "the data, BERTs, feature caches and the baseline's checkpoints are cached: the same command, "
+                 "with or without --resume, continues from them") + ")", file=sys.stderr)
         return 128 + int(signum)
     print(f"\nsweep {result.name} {'INTERRUPTED' if result.interrupted else 'finished'} in "
           f"{time.perf_counter() - t0:.0f} s: {len(result.trials)} trials "

@@ -50,7 +50,7 @@ from nmtcore.sweep.settings import (
     resolve_settings,
 )
 from nmtcore.sweep.space import SearchSpace
-from nmtcore.sweep.state import STATE_FILE, ResumeState
+from nmtcore.sweep.state import STATE_FILE, ResumeState, mark_started, started_space
 from nmtcore.tracking import schema
 
 
@@ -110,6 +110,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     exp_dir = join(settings.storage, settings.name)
     state, space, base, settings = _resumed(space, base, settings, exp_dir)
     validate_space(space, base, settings.seeds)
+    if state is None and not is_uri(settings.storage):
+        mark_started(exp_dir, space.name)
     worker_env = settings.worker_env()  # the processes that train: the baseline task and the trials' workers
     started_ray = not ray_backend.ray_is_running()
     dashboard_url = ray_backend.init_ray(
@@ -146,6 +148,10 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
     the arguments for a new sweep); refuses a resume with nothing to resume and a new sweep whose name is taken."""
     state_path = Path(exp_dir) / STATE_FILE
     if settings.resume:
+        if not is_uri(settings.storage) and not state_path.is_file() and started_space(exp_dir) == space.name:
+            print(f"sweep {settings.name}: stopped before its trials began, so there is nothing to resume: starting "
+                  "it again (the data, BERTs, feature caches and baseline checkpoints it made are reused)", flush=True)
+            return None, space, base, replace(settings, resume=False)
         if is_uri(settings.storage) or not state_path.is_file():
             raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
         state = ResumeState.read(state_path)

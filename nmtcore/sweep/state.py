@@ -18,6 +18,9 @@ from nmtcore.files import atomic_write_text
 from nmtcore.sweep.settings import SweepError
 
 STATE_FILE = "nmtcore_sweep.json"
+# Written when a new sweep begins, before its shared work: a sweep stopped before its trials (while the BERTs,
+# their features or the baseline were made) has no state yet, and ``--resume`` then starts it again.
+STARTED_FILE = "nmtcore_sweep.started.json"
 FORMAT = 1  # bump when a field changes meaning; read older formats explicitly in ResumeState.read
 _FIELDS = ("space", "model", "parent_run_id", "tracking_uri", "seeds", "base")
 
@@ -70,3 +73,21 @@ class ResumeState:
             raise SweepError(f"{path}: the sweep's base config no longer loads: {str(e).splitlines()[0]}") from None
         return cls(space=str(raw["space"]), model=str(raw.get("model") or ""), parent_run_id=str(raw["parent_run_id"]),
                    tracking_uri=str(raw["tracking_uri"]), seeds=int(raw["seeds"]), base=base)
+
+
+def mark_started(exp_dir: str | Path, space: str) -> None:
+    """Record that sweep ``exp_dir`` (of ``space``) began: a ``--resume`` before its trials then starts it
+    again instead of finding nothing to resume."""
+    path = Path(exp_dir) / STARTED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"space": space}) + "\n")
+
+
+def started_space(exp_dir: str | Path) -> str | None:
+    """The space of the sweep that began at ``exp_dir`` (:func:`mark_started`), or None: never begun here, or a
+    marker that cannot be read."""
+    try:
+        raw = json.loads((Path(exp_dir) / STARTED_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return str(raw["space"]) if isinstance(raw, dict) and "space" in raw else None
