@@ -47,7 +47,8 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
         run.end("FAILED" if state == "failed" else "FINISHED")
         return
     b = corpus_bleu(h, REFS)
-    run.log_metrics({f"test/{SPLIT}/bp": b.bp, f"test/{SPLIT}/len_ratio": b.sys_len / b.ref_len}, step=2)
+    run.log_metrics({f"test/{SPLIT}/bp": b.bp, f"test/{SPLIT}/len_ratio": b.sys_len / b.ref_len,
+                     **{f"test/{SPLIT}/prec{n}": p for n, p in enumerate(b.precisions, 1)}}, step=2)
     run.log_metrics({f"test/{SPLIT}/bleu": b.score, f"test/{SPLIT}/chrf": corpus_chrf(h, REFS).score,
                      "cost/parameters": 2e6, "cost/wall_s": 120.0, "cost/cpu_s": 200.0,
                      "cost/train_tokens_per_s": 1000.0, "final/num_updates": 50.0}, step=2)
@@ -362,3 +363,7 @@ def test_an_arm_that_writes_shorter_output_shows_its_length_and_brevity_penalty(
     assert rows["short"]["length"] == "0.714"
     assert float(rows["short"]["BP"]) == pytest.approx(js["short"]["bp_mean"], abs=1e-3)
     assert "`BP` BLEU's brevity penalty" in report.render_markdown(rep)
+    # ... at the control's n-gram precisions: the table shows that BLEU was lost on length, not on word choice.
+    precision = "1-4-gram precision (%)"
+    assert rows["short"][precision] == rows["control"][precision] == "100.0/100.0/100.0/100.0"
+    assert js["short"]["precisions_mean"] == pytest.approx([100.0] * 4)

@@ -94,6 +94,7 @@ def test_learning_synthetic_translation(tmp_path, capsys):
     b = corpus_bleu(Path(test.hyp_path).read_text(encoding="utf-8").splitlines(),
                     prepare_data(cfg.data).splits["test"].raw_tgt)
     assert (test.bp, test.len_ratio) == (b.bp, b.sys_len / b.ref_len) and 0 < test.len_ratio < 2
+    assert test.precisions == tuple(b.precisions) and len(test.precisions) == 4
     with capsys.disabled():
         print(f"\nsynthetic translation: test BLEU {bleu:.1f} in {cpu:.0f} CPU seconds on one thread")
 

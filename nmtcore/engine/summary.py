@@ -39,8 +39,8 @@ class FitResult:
 @dataclass
 class TestScore:
     """One test split decoded with ``cfg.decode``: sacreBLEU BLEU and chrF, where the hypotheses are, speed; BLEU's
-    brevity penalty and the output's length over the references' (BLEU's tokens): a shorter output loses BLEU at
-    equal precision."""
+    brevity penalty, its 1- to 4-gram precisions (%) and the output's length over the references' (BLEU's tokens):
+    a shorter output loses BLEU at equal precision."""
 
     __test__ = False  # not a pytest test class
 
@@ -52,6 +52,7 @@ class TestScore:
     sentences_per_s: float
     bp: float = math.nan
     len_ratio: float = math.nan
+    precisions: tuple[float, ...] = ()
 
 
 @dataclass

@@ -63,7 +63,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 **{short(k): v for k, v in g.values.items()},
                 "n_seeds": len(bleus), "bleu_mean": mean(bleus), "bleu_sd": _sd(bleus), "bleu_by_seed": dict(
                     g.bleu.get(split, {})), "chrf_mean": mean(chrfs), "bp_mean": mean(bps),
-                "len_ratio_mean": mean(lens),
+                "len_ratio_mean": mean(lens), "precisions_mean": _mean_precisions(g.precisions.get(split, {})),
                 "delta": 0.0 if g is report.reference else c.delta, "ci_low": c.ci_low, "ci_high": c.ci_high,
                 "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
@@ -81,6 +81,12 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
     return rows
 
 
+def _mean_precisions(by_seed: dict[str, tuple[float, ...]]) -> list[float]:
+    """BLEU's 1- to 4-gram precisions averaged over seeds; empty where a run logged none (an older store)."""
+    seeds = [p for p in by_seed.values() if len(p) == 4 and not any(math.isnan(x) for x in p)]
+    return [sum(p[n] for p in seeds) / len(seeds) for n in range(4)] if seeds else []
+
+
 def table_rows(report: SweepReport) -> list[dict[str, str]]:
     """The tables as printable rows (also the CSV), one per test set and arm."""
     out = []
@@ -94,6 +100,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "seeds": str(row["n_seeds"]),
             "BLEU": _pm(row["bleu_mean"], row["bleu_sd"]), "chrF": _f(row["chrf_mean"]),
             "length": _f(row["len_ratio_mean"], 3), "BP": _f(row["bp_mean"], 3),
+            "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]) or "",
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
@@ -120,9 +127,9 @@ def render_markdown(report: SweepReport) -> str:
     head = [f"### {report.sweep}: {report.space.get('description') or report.study}", "",
             f"Protocol: {report.protocol or 'not recorded'}. Reference row: `{ref}`. BLEU: sacreBLEU, detokenized, "
             "mean ± sd over seeds; `length`: the output's length over the references' and `BP` BLEU's brevity "
-            "penalty (a shorter output loses BLEU at equal n-gram precision). ΔBLEU, 95% CI and p (two-sided) from a "
-            "paired bootstrap (1000 resamples, seeds pooled) against the reference; p (seeds): paired t-test across "
-            "seeds. "
+            "penalty (a shorter output loses BLEU at equal n-gram precision), beside BLEU's 1-4-gram precisions. "
+            "ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds pooled) against the "
+            "reference; p (seeds): paired t-test across seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
     if report.estimate:
         est = report.estimate

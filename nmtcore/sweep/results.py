@@ -61,6 +61,7 @@ class Group:
     chrf: dict[str, dict[str, float]] = field(default_factory=dict)
     bp: dict[str, dict[str, float]] = field(default_factory=dict)  # BLEU's brevity penalty
     len_ratio: dict[str, dict[str, float]] = field(default_factory=dict)  # output length / reference length
+    precisions: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)  # BLEU's 1-4-gram precisions
     valid_metric: list[float] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     updates: list[float] = field(default_factory=list)
@@ -233,6 +234,8 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
                 g.chrf.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/chrf", math.nan)
                 g.bp.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/bp", math.nan)
                 g.len_ratio.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/len_ratio", math.nan)
+                g.precisions.setdefault(split, {})[seed] = tuple(
+                    r.metrics.get(f"test/{split}/prec{n}", math.nan) for n in range(1, 5))
         curve = curves.get(r.run_id, {})
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))

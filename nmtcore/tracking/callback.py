@@ -89,6 +89,7 @@ class TrackingCallback(Callback):
             final[f"test/{split}/chrf"] = scores.chrf
             final[f"test/{split}/bp"] = scores.bp
             final[f"test/{split}/len_ratio"] = scores.len_ratio
+            final.update({f"test/{split}/prec{n}": p for n, p in enumerate(scores.precisions, 1)})
             final[f"test/{split}/sentences_per_s"] = scores.sentences_per_s
             self.tracker.log_artifact(scores.hyp_path, artifact_path="hypotheses")
             self.tracker.set_tags({schema.bleu_signature(split): scores.signature})
