@@ -175,3 +175,27 @@ def test_the_dry_run_counts_a_truncation_s_features_inside_its_deeper_bert_s_pas
     assert timed == [4], timed
     assert f"BERT features {cut} (computed in the pass of {full})" in shared.detail, shared.detail
     assert f"BERT features {full} (" in shared.detail and shared.seconds > 0
+
+
+def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path):
+    """On a fresh machine the main job's estimate said 9.8 h (every run at its epoch cap) for about 2 h of work:
+    with no converged run of the kind in the store, a kind the platform has converged before takes the epochs
+    those runs took, under the rule they were measured with; anything else still takes the cap."""
+    from nmtcore.sweep.cost import MEASURED_EPOCHS
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True}
+    baseline = tiny_experiment(tmp_path, **rule, **{"data.corpus": "multi30k", "train.max_epochs": 60})
+    epochs, why = expected_epochs(baseline, "baseline", uri)
+    assert epochs == MEASURED_EPOCHS[("multi30k", "baseline", "transformer")] == 16
+    assert "platform's converged transformer baseline runs on multi30k" in why and "at most the cap, 60" in why
+    arm = baseline.with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm", "train.max_epochs": 40})
+    assert expected_epochs(arm, "trial", uri)[0] == 12.0
+    assert "upper bound" in expected_epochs(arm.with_overrides({"train.patience": 5}), "trial", uri)[1]
+    assert "upper bound" in expected_epochs(arm.with_overrides({"data.corpus": "iwslt14"}), "trial", uri)[1]
+    assert expected_epochs(arm.with_overrides({"train.max_epochs": 8}), "trial", uri)[0] == 8.0  # the cap binds
+    with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
+        t.log_config(arm)
+        for e in range(1, 21):
+            t.log_metrics({"epoch": e}, step=e)
+    assert expected_epochs(arm, "trial", uri) == (20.0, "the median of 1 converged trial run of this kind in the store")

@@ -11,7 +11,9 @@ The estimate multiplies measured speeds by counted work:
 Epochs: a fixed budget trains its epochs. A budget that trains to convergence (``train.patience``) stops
 somewhere between ``patience + 1`` epochs and its cap, so the estimate takes the median number of epochs of the
 converged runs of the same kind already in this MLflow store (same model, role, stopping rule and cap) and
-says how many it found; with none it takes the cap and says that it is an upper bound.
+says how many it found. With none (a fresh machine) it takes what the platform's own converged runs of that
+kind took (:data:`MEASURED_EPOCHS`: the corpus, role and model, under the studies' default rule), and with no
+such figure the cap, saying that it is an upper bound.
 
 Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
 them; the trials' phase is that schedule's makespan. Speeds are measured with nothing else running: trials
@@ -40,6 +42,17 @@ PROBE_STEPS = 3  # updates timed
 PROBE_DECODE = 48  # validation sentences decoded greedily
 PROBE_OTHER_SENTENCES = 48  # every split but train is cut to this for the probe's BERT features
 FEATURE_PROBE_SENTENCES = 1024  # training sentences whose BERT features time a feature build
+# Epochs at which the patience rule stopped the platform's committed converged runs (median per kind; the runs
+# and their dates: docs/convergence.md, "Epochs to convergence"): (corpus, role, model) -> epochs. Used only
+# when the store has no converged run of the kind, and only under the rule they were measured with.
+MEASURED_EPOCHS = {
+    ("multi30k", "baseline", "transformer"): 16,
+    ("maruf2019_devtest", "baseline", "transformer"): 16,
+    ("multi30k", "trial", "transformer"): 6,
+    ("multi30k", "trial", "bert_fused"): 12,
+    ("multi30k", "trial", "mask_fusion"): 7,
+}
+MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs: metric, patience, minimum gain
 
 
 @dataclass(frozen=True)
@@ -177,6 +190,11 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) 
     if epochs:
         return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {role} run"
                                                   f"{'s' * (len(epochs) > 1)} of this kind in the store")
+    measured = MEASURED_EPOCHS.get((cfg.data.corpus, role, cfg.model.name))
+    if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
+            and measured <= t.max_epochs:
+        return float(measured), (f"what the platform's converged {cfg.model.name} {role} runs on {cfg.data.corpus} "
+                                 f"took (no such run in this store yet; at most the cap, {t.max_epochs})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
