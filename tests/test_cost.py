@@ -178,9 +178,9 @@ def test_the_dry_run_counts_a_truncation_s_features_inside_its_deeper_bert_s_pas
 
 
 def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path):
-    """On a fresh machine the main job's estimate said 9.8 h (every run at its epoch cap) for about 2 h of work:
-    with no converged run of the kind in the store, a kind the platform has converged before takes the epochs
-    those runs took, under the rule they were measured with; anything else still takes the cap."""
+    """On a fresh machine every converged run was estimated at its epoch cap, several times its real cost: with
+    no converged run of the kind in the store, a kind the platform has converged before takes the epochs those
+    runs took, under the rule they were measured with; anything else still takes the cap."""
     from nmtcore.sweep.cost import MEASURED_EPOCHS
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -72,7 +72,7 @@ def run_experiment(cfg: ExperimentConfig, callbacks: Sequence[Callback] = (), re
                                        signature=b.signature, hyp_path=str(path), decode_wall_s=wall,
                                        sentences_per_s=len(hyps) / wall if wall > 0 else 0.0, bp=b.bp,
                                        len_ratio=b.sys_len / b.ref_len if b.ref_len else math.nan,
-                                       precisions=tuple(b.precisions or ()))
+                                       precisions=b.precisions)
     for cb in callbacks:
         cb.on_train_end(trainer, summary)
     return summary

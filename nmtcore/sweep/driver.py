@@ -148,11 +148,12 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
     the arguments for a new sweep); refuses a resume with nothing to resume and a new sweep whose name is taken."""
     state_path = Path(exp_dir) / STATE_FILE
     if settings.resume:
-        if not is_uri(settings.storage) and not state_path.is_file() and started_space(exp_dir) == space.name:
-            print(f"sweep {settings.name}: stopped before its trials began, so there is nothing to resume: starting "
-                  "it again (the data, BERTs, feature caches and baseline checkpoints it made are reused)", flush=True)
-            return None, space, base, replace(settings, resume=False)
         if is_uri(settings.storage) or not state_path.is_file():
+            if not is_uri(settings.storage) and started_space(exp_dir) == space.name:  # stopped before its trials
+                print(f"sweep {settings.name}: stopped before its trials began, so there is nothing to resume: "
+                      "starting it again (the data, BERTs, feature caches and baseline checkpoints it made are "
+                      "reused)", flush=True)
+                return None, space, base, replace(settings, resume=False)
             raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
         state = ResumeState.read(state_path)
         if state.space != space.name:

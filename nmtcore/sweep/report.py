@@ -84,7 +84,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
 def _mean_precisions(by_seed: dict[str, tuple[float, ...]]) -> list[float]:
     """BLEU's 1- to 4-gram precisions averaged over seeds; empty where a run logged none (an older store)."""
     seeds = [p for p in by_seed.values() if len(p) == 4 and not any(math.isnan(x) for x in p)]
-    return [sum(p[n] for p in seeds) / len(seeds) for n in range(4)] if seeds else []
+    return [mean([p[n] for p in seeds]) for n in range(4)] if seeds else []
 
 
 def table_rows(report: SweepReport) -> list[dict[str, str]]:
@@ -100,7 +100,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "seeds": str(row["n_seeds"]),
             "BLEU": _pm(row["bleu_mean"], row["bleu_sd"]), "chrF": _f(row["chrf_mean"]),
             "length": _f(row["len_ratio_mean"], 3), "BP": _f(row["bp_mean"], 3),
-            "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]) or "",
+            "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]),
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
