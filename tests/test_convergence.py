@@ -48,20 +48,21 @@ def test_bad_stopping_settings_are_refused_in_one_line():
 
 
 # ---------------------------------------------------------------------- the rule in the trainer's loop
-def scripted_trainer(tmp_path, bleus, updates_per_epoch=100, **train):
+def scripted_trainer(tmp_path, bleus, updates_per_epoch=100, losses=None, **train):
     """A real trainer whose epochs cost nothing: training is skipped (the update counter advances by
-    ``updates_per_epoch``; the tiny experiment warms up over 50) and validation reads ``bleus``."""
+    ``updates_per_epoch``; the tiny experiment warms up over 50) and validation reads ``bleus`` (and ``losses``;
+    without them the loss stays 1.0)."""
     cfg = tiny_experiment(tmp_path, **{"train.valid_bleu": True, "train.stop_metric": "valid_bleu",
                                        "train.max_epochs": len(bleus), **train})
     trainer = build_trainer(cfg, device=torch.device("cpu"))
-    values = iter(bleus)
+    values, loss_values = iter(bleus), iter(losses or [1.0] * len(bleus))
 
     def epoch_of_updates(epoch):
         trainer.state.num_updates += updates_per_epoch
         return {"train_loss": 1.0}
 
     trainer.train_epoch = epoch_of_updates
-    trainer.validate = lambda: {"valid_loss": 1.0, "valid_bleu": next(values)}
+    trainer.validate = lambda: {"valid_loss": next(loss_values), "valid_bleu": next(values)}
     return trainer
 
 
@@ -82,6 +83,38 @@ def test_epochs_inside_the_warm_up_do_not_count_against_patience(tmp_path):
     short = scripted_trainer(tmp_path / "short", dip, **{"train.patience": 2, "train.min_delta": 0.1,
                                                          "train.warmup_updates": 50}).fit()
     assert (short.epochs, short.best_epoch, short.best_score) == (3, 1, 30.0)
+
+
+def test_the_loss_guard_stops_only_when_bleu_and_the_loss_have_both_stalled(tmp_path):
+    """Greedy BLEU that wobbles while the validation loss still falls (the MiniLM-L4 study's BERT-fused seed 5:
+    BLEU 35.38, 35.18, 33.47, 35.07 at epochs 5-8, loss 4.268, 4.243, 4.279, 4.194): BLEU's rule alone stops at
+    epoch 5; with the guard, epochs 3 and 5 set new lowest losses, so the run goes on until three epochs in a row
+    gain neither (6-8), and its best stays the best by BLEU."""
+    bleus = [30.0, 32.0, 31.5, 31.9, 31.0, 31.8, 31.7, 31.2, 33.0]
+    losses = [4.40, 4.30, 4.25, 4.26, 4.20, 4.21, 4.205, 4.199, 4.10]  # 4.199: 0.02% below 4.20, under the gain
+    rule = {"train.patience": 3, "train.min_delta": 0.1}
+    plain = scripted_trainer(tmp_path / "plain", bleus, losses=losses, **rule).fit()
+    assert (plain.epochs, plain.stopped_by, plain.best_epoch) == (5, "patience", 2)
+    guarded = scripted_trainer(tmp_path / "guarded", bleus, losses=losses, **rule, **{"train.loss_guard": True}).fit()
+    assert (guarded.epochs, guarded.stopped_by, guarded.best_epoch, guarded.best_score) == (8, "patience", 2, 32.0)
+    assert guarded.best_valid_loss == 4.199
+
+
+def test_the_loss_guard_survives_a_resume(tmp_path):
+    """The lowest loss so far is checkpointed: a guarded run resumed after epoch 3 stops where an uninterrupted
+    one does."""
+    bleus, losses = [30.0, 32.0, 31.5, 31.9, 31.0, 31.8, 31.7, 31.2], [4.40, 4.30, 4.25, 4.26, 4.20, 4.21, 4.205, 4.2]
+    rule = {"train.patience": 3, "train.min_delta": 0.1, "train.loss_guard": True}
+    scripted_trainer(tmp_path, bleus[:3], losses=losses[:3], **rule).fit()
+    again = scripted_trainer(tmp_path, bleus[3:], losses=losses[3:], **{**rule, "train.max_epochs": 8})
+    assert again.resume()
+    fit = again.fit()
+    assert (fit.epochs, fit.stopped_by, fit.best_epoch) == (8, "patience", 2)
+
+
+def test_the_loss_guard_is_refused_without_the_bleu_rule():
+    with pytest.raises(ConfigError, match="train.loss_guard"):
+        TrainConfig(loss_guard=True, stop_metric="valid_loss")
 
 
 def test_a_run_still_rising_is_stopped_by_its_cap_not_called_converged(tmp_path):

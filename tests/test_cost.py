@@ -199,3 +199,9 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
         for e in range(1, 21):
             t.log_metrics({"epoch": e}, step=e)
     assert expected_epochs(arm, "trial", uri) == (20.0, "the median of 1 converged trial run of this kind in the store")
+    # The loss guard can only lengthen a run: the measured figure stays, called a lower bound; a stored run without
+    # the guard is not a run of this kind.
+    guarded = baseline.with_overrides({"train.loss_guard": True})
+    epochs, why = expected_epochs(guarded, "baseline", uri)
+    assert epochs == 16 and "measured without train.loss_guard" in why and "a lower bound" in why
+    assert expected_epochs(arm.with_overrides({"train.loss_guard": True}), "trial", uri)[0] == 12.0

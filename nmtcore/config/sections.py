@@ -278,6 +278,11 @@ class TrainConfig:
     patience: int = 0
     stop_metric: str = "valid_loss"  # valid_loss (lower is better) or valid_bleu (greedy, higher is better)
     min_delta: float = 0.0
+    # With stop_metric valid_bleu: an epoch that lowers the validation loss below every earlier epoch's (by more
+    # than nmtcore.engine.stopping.LOSS_GAIN, relative) is not an epoch without a gain either, so the rule stops a
+    # run only when BLEU and the loss have both stalled (greedy BLEU on a small validation set moves by about a
+    # point from epoch to epoch; the loss is the smoother sign that a run still learns). docs/convergence.md.
+    loss_guard: bool = False
     seed: int = 1
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
@@ -326,6 +331,8 @@ class TrainConfig:
               f"must be one of {', '.join(STOP_METRICS)}, got {self.stop_metric!r}")
         check(math.isfinite(self.min_delta) and self.min_delta >= 0, "train.min_delta",
               f"must be a finite number >= 0, got {self.min_delta}")
+        check(not self.loss_guard or self.stop_metric == "valid_bleu", "train.loss_guard",
+              "guards the valid_bleu rule with the validation loss; with stop_metric valid_loss it adds nothing")
         check(self.stop_metric != "valid_bleu" or self.valid_bleu, "train.stop_metric",
               "valid_bleu needs train.valid_bleu=true (the validation set decoded every epoch)")
         check(self.precision in ("auto", "fp32", "bf16"), "train.precision",

@@ -1,7 +1,8 @@
 """When a run has converged: the stopping rule, and which rule ended a run.
 
 A run is *converged* only when the patience rule fired: ``train.patience`` epochs in a row did not beat the
-best ``train.stop_metric`` by more than ``train.min_delta``. A run that reached ``train.max_epochs`` or
+best ``train.stop_metric`` by more than ``train.min_delta`` (and, with ``train.loss_guard``, did not set a new
+lowest validation loss either). A run that reached ``train.max_epochs`` or
 ``train.max_updates`` with the rule on was stopped by its **cap**; a run without the rule (or whose fixed
 phase schedule ended) was stopped by its **schedule**. Reports say which (:data:`STOPPED_BY`) and call only
 the first converged.
@@ -16,6 +17,9 @@ from nmtcore.config import TrainConfig
 from nmtcore.config.sections import STOP_METRICS
 
 PATIENCE, CAP, SCHEDULE = "patience", "cap", "schedule"
+# The relative fall of the validation loss below its lowest so far that counts as a gain: for the loss guard
+# (``train.loss_guard``) and for reports that ask whether a run was still improving when it stopped.
+LOSS_GAIN = 0.002
 STOPPED_BY = (PATIENCE, CAP, SCHEDULE)
 
 
@@ -26,11 +30,13 @@ class StopRule:
     metric: str
     patience: int
     min_delta: float
+    loss_guard: bool = False  # a new lowest validation loss also counts as a gain (train.loss_guard)
 
     @classmethod
     def from_config(cls, tc: TrainConfig) -> "StopRule":
-        """The rule ``train.stop_metric`` / ``train.patience`` / ``train.min_delta`` describe."""
-        return cls(tc.stop_metric, tc.patience, tc.min_delta)
+        """The rule ``train.stop_metric`` / ``train.patience`` / ``train.min_delta`` / ``train.loss_guard``
+        describe."""
+        return cls(tc.stop_metric, tc.patience, tc.min_delta, tc.loss_guard)
 
     @property
     def higher_is_better(self) -> bool:
@@ -48,6 +54,12 @@ class StopRule:
             return math.isfinite(value)
         gain = value - best if self.higher_is_better else best - value
         return gain > self.min_delta
+
+    def loss_fell(self, loss: float, lowest: float) -> bool:
+        """Whether the guard counts this epoch as a gain: ``loss`` is below the ``lowest`` validation loss of the
+        earlier epochs by more than :data:`LOSS_GAIN` of it (always False without the guard)."""
+        return self.loss_guard and math.isfinite(loss) and (not math.isfinite(lowest) or
+                                                            loss < lowest * (1.0 - LOSS_GAIN))
 
     def fired(self, bad_epochs: int) -> bool:
         """Whether ``bad_epochs`` epochs in a row without a gain end the run."""

@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nmtcore.engine.stopping import LOSS_GAIN
+
 
 @dataclass
 class FitResult:
@@ -91,7 +93,7 @@ class RunSummary:
         return {**d.pop("fit"), **d}
 
 
-def still_improving(valid_losses: list[float], tolerance: float = 0.002) -> bool:
+def still_improving(valid_losses: list[float], tolerance: float = LOSS_GAIN) -> bool:
     """Whether a run's validation loss was still falling at its last epoch: the last epoch is the best and
     beat every earlier epoch by more than ``tolerance`` (relative). A run so flagged stopped before it
     converged; a report says so instead of comparing it silently."""

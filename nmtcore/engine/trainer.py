@@ -495,11 +495,14 @@ class Trainer:
         """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics`` (epochs that
         end inside the warm-up are not counted)."""
         s = self.state
+        loss_fell = self.stop_rule.loss_fell(metrics["valid_loss"], s.best_valid_loss)
         s.best_valid_loss = min(s.best_valid_loss, metrics["valid_loss"])
         value = metrics[self.stop_rule.metric]
         best = s.best_score if not math.isnan(s.best_score) else self.stop_rule.worst
         if self.stop_rule.improves(value, best):
             s.best_score, s.best_epoch, s.bad_epochs = value, epoch, 0
+        elif loss_fell:  # still learning by the loss (train.loss_guard): not a bad epoch; the best stays BLEU's
+            s.bad_epochs = 0
         elif s.num_updates > self.cfg.train.warmup_updates:
             s.bad_epochs += 1
         # An epoch that ends inside the learning-rate warm-up never counts against patience: a rising rate makes a

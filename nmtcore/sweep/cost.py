@@ -52,7 +52,7 @@ MEASURED_EPOCHS = {
     ("multi30k", "trial", "bert_fused"): 12,
     ("multi30k", "trial", "mask_fusion"): 7,
 }
-MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs: metric, patience, minimum gain
+MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs (no loss guard): metric, patience, gain
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,10 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) 
     measured = MEASURED_EPOCHS.get((cfg.data.corpus, role, cfg.model.name))
     if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
             and measured <= t.max_epochs:
+        guard = ("; measured without train.loss_guard, which can only lengthen a run: a lower bound"
+                 if t.loss_guard else "")
         return float(measured), (f"what the platform's converged {cfg.model.name} {role} runs on {cfg.data.corpus} "
-                                 f"took (no such run in this store yet; at most the cap, {t.max_epochs})")
+                                 f"took (no such run in this store yet; at most the cap, {t.max_epochs}{guard})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
@@ -215,7 +217,8 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None)
     except tracking.TrackingError:
         return []
     return [int(r.metrics["epoch"]) for r in runs
-            if "epoch" in r.metrics and all(r.params.get(k) == str(flat[k]) for k in same)]
+            if "epoch" in r.metrics and all(r.params.get(k) == str(flat[k]) for k in same)
+            and r.params.get("train.loss_guard", "False") == str(flat["train.loss_guard"])]  # older runs: no guard
 
 
 # ---------------------------------------------------------------------------------------------- measuring

@@ -305,7 +305,8 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
 
     if setting("train.patience"):
         stage += (f"; to convergence: stopped after {setting('train.patience')} epochs without a gain of more than "
-                  f"{setting('train.min_delta', 0)} in {setting('train.stop_metric', 'valid_loss')}, "
+                  f"{setting('train.min_delta', 0)} in {setting('train.stop_metric', 'valid_loss')}"
+                  f"{' nor a new lowest validation loss' if setting('train.loss_guard') else ''}, "
                   f"capped at {setting('train.max_epochs')} epochs")
     elif "train.max_epochs" in budget:
         stage += " (a fixed number of epochs, not to convergence)"
