@@ -24,7 +24,7 @@ def hyps(quality: float, seed: int) -> list[str]:
 def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None,
               stopped_by="patience", diagnostics=None):
     """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
-    ``curves``: (validation losses, validation BLEUs) per epoch instead of the default two epochs; ``stopped_by``
+    ``curves``: (validation losses, validation BLEUs) per epoch instead of the default three epochs; ``stopped_by``
     the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
@@ -37,7 +37,8 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
     from nmtcore.bleu import corpus_bleu, corpus_chrf
 
     same_as = {"layers=4, hidden=128": 0.5}.get(label, quality if isinstance(quality, float) else 0.4)
-    losses, bleus = curves or ([5.0 - epoch * same_as + seed for epoch in (1, 2)], [1.0, 2.0])
+    # By default two epochs of gains and a third without (patience 1 fired: converged).
+    losses, bleus = curves or ([5.0 - epoch * same_as + seed for epoch in (1, 2, 2)], [1.0, 2.0, 1.95])
     for epoch, (loss, valid_bleu) in enumerate(zip(losses, bleus), start=1):
         run.log_metrics({"valid_loss": loss, "valid_bleu": valid_bleu}, step=epoch)
     if state != "complete":
@@ -266,38 +267,47 @@ def test_a_sweep_without_phases_has_no_phase_column(sweep_store):
     assert "phases (first epoch)" not in report.render_markdown(rep)
 
 
-def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnostics=None):
-    """A control and one BERT arm; the control stopped by patience, the arm by ``arm_stopped_by``."""
+FLAT = ([5.0, 4.0, 4.1], [10.0, 20.0, 19.0])  # validation loss and BLEU per epoch of a run that has levelled off
+FALLING = ([5.0, 4.0, 3.9], [10.0, 20.0, 19.9])  # the loss still falls at the last epoch, BLEU within min_delta
+
+
+def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnostics=None, arm_curves=FLAT):
+    """A control and one BERT arm; the control stopped by patience, the arm by ``arm_stopped_by``, with
+    ``arm_curves``."""
     uri = f"sqlite:///{tmp_path / (name + '.db')}"
     tags = {lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
             "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})}
     if baseline_converged is not None:
         tags["nmtcore.baseline_converged"] = baseline_converged  # as the driver writes it: str(bool), "True"
     parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags=tags)
-    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=([5.0, 4.0, 4.1], [10.0, 20.0, 19.0]))
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT)
     add_trial(parent, tmp_path, 1, 1, "bert_fused", 0.5, {"arm": "bert_fused"}, stopped_by=arm_stopped_by,
-              diagnostics=diagnostics)
+              diagnostics=diagnostics, curves=arm_curves)
     parent.end()
     return uri
 
 
-@pytest.mark.parametrize("arm_stopped_by, baseline_converged, verdict", [
-    ("patience", True, None),
-    ("patience", None, None),  # a study from scratch has no baseline
-    ("cap", True, "1 of 2 runs stopped before convergence (1 by the epoch or update cap)"),
-    ("schedule", True, "1 of 2 runs stopped before convergence (1 by a fixed schedule)"),
-    (None, True, "1 of 2 runs stopped before convergence (1 with no stopping rule recorded)"),
-    ("patience", False, "the baseline they warm-started from was not trained to convergence"),
+@pytest.mark.parametrize("arm_stopped_by, baseline_converged, arm_curves, verdict", [
+    ("patience", True, FLAT, None),
+    ("patience", None, FLAT, None),  # a study from scratch has no baseline
+    ("cap", True, FLAT, "1 of 2 runs stopped before convergence (1 by the epoch or update cap)"),
+    ("schedule", True, FLAT, "1 of 2 runs stopped before convergence (1 by a fixed schedule)"),
+    (None, True, FLAT, "1 of 2 runs stopped before convergence (1 with no stopping rule recorded)"),
+    ("patience", False, FLAT, "the baseline they warm-started from was not trained to convergence"),
+    # BLEU's patience rule fired on a run whose loss still fell: stopped by patience, not converged
+    ("patience", True, FALLING, "1 of 2 runs stopped before convergence (1 by patience while validation loss still "
+                                "fell or BLEU still rose)"),
 ])
 def test_the_not_an_answer_line_and_the_stop_column_appear_exactly_when_they_should(
-        tmp_path, arm_stopped_by, baseline_converged, verdict):
-    uri = stage_sweep(tmp_path, "stage", arm_stopped_by, baseline_converged)
+        tmp_path, arm_stopped_by, baseline_converged, arm_curves, verdict):
+    uri = stage_sweep(tmp_path, "stage", arm_stopped_by, baseline_converged, arm_curves=arm_curves)
     rep = results.build_report("stage", uri, n_bootstrap=0)
     md = report.render_markdown(rep)
     rows = {r["arm"]: r for r in report.table_rows(rep) if r["test set"] == SPLIT}
     assert rows["control"]["stopped by"] == "patience" and rows["control"]["converged"] == "yes"
     assert rows["bert_fused"]["stopped by"] == (arm_stopped_by or "unrecorded")
-    assert rows["bert_fused"]["converged"] == ("yes" if arm_stopped_by == "patience" else "no")
+    converged = arm_stopped_by == "patience" and arm_curves is FLAT
+    assert rows["bert_fused"]["converged"] == ("yes" if converged else "no")
     js = {r["arm"]: r for r in report.json_rows(rep)}
     assert js["bert_fused"]["stopped_by"] == {arm_stopped_by or "unrecorded": 1}
     if verdict is None:

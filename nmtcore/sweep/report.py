@@ -14,7 +14,7 @@ p-value from a paired bootstrap (Koehn 2004; sacreBLEU statistics, 1000 resample
 the seeds both completed, pooled, and with two or more seeds a paired t-test across seeds; then the
 budget each arm had (epochs, updates, wall time), which rule stopped its runs (``patience``: converged;
 ``cap``: the epoch or update cap with the rule on; ``schedule``: a fixed budget) and ``converged`` = every run
-stopped by patience. A report in which any run — or the baseline the arms warm-started from — did not
+stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in which any run — or the baseline the arms warm-started from — did not
 converge opens with one line saying its Δs are not an answer. Below the tables, how each arm used BERT
 (:mod:`nmtcore.diagnostics`), and ``valid_curves.png``: every run's validation BLEU per epoch on one plot.
 
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from nmtcore import tracking
-from nmtcore.engine.stopping import PATIENCE
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.results import (
     Comparison,
@@ -70,7 +69,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
                 "estimated_min": None if report.estimated_s(g) is None else report.estimated_s(g) / 60,
                 "still_improving": g.still_improving, "stopped_by": dict(Counter(g.stopped_by)),
-                "converged": bool(g.stopped_by) and all(rule == PATIENCE for rule in g.stopped_by),
+                "converged": g.converged,
                 "diagnostics": {name: mean(values) for name, values in sorted(g.diagnostics.items())},
                 "parameters": g.parameters, "tokens_per_s": g.tokens_per_s,
                 "bert": g.bert, "bert_layers": g.bert_layers, "bert_hidden": g.bert_hidden,

@@ -25,8 +25,10 @@ from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
 
 CONFIG_KEY_TAG = schema.CONFIG_KEY
+IMPROVING = "patience, still improving"  # a run the patience rule stopped while its loss still fell or BLEU still rose
 _STOPPED_BY_WORDS = {"cap": "by the epoch or update cap", "schedule": "by a fixed schedule",
-                     "unrecorded": "with no stopping rule recorded"}
+                     "unrecorded": "with no stopping rule recorded",
+                     IMPROVING: "by patience while validation loss still fell or BLEU still rose"}
 SEED_TAG = schema.SEED
 
 
@@ -71,6 +73,14 @@ class Group:
     tokens_per_s: float | None = None
     still_improving: int = 0  # completed runs whose validation loss was still falling or BLEU still rising at the end
     stopped_by: list[str] = field(default_factory=list)  # per completed run: patience, cap, schedule (or unrecorded)
+    improving_at_stop: list[bool] = field(default_factory=list)  # per completed run: still_improving at its end
+
+    @property
+    def converged(self) -> bool:
+        """Every completed run stopped by the patience rule and none was still improving when it did (a patience
+        rule on a noisy metric can fire while the loss still falls; such a run has not converged)."""
+        return bool(self.stopped_by) and all(rule == PATIENCE and not improving
+                                             for rule, improving in zip(self.stopped_by, self.improving_at_stop))
     diagnostics: dict[str, list[float]] = field(default_factory=dict)  # nmtcore.diagnostics figure → per run
     curves: list[tuple[str, dict[str, list[float]]]] = field(default_factory=list)  # per completed run: seed, curves
     status: dict[str, int] = field(default_factory=dict)
@@ -109,12 +119,14 @@ class SweepReport:
         return sum(runs) / len(runs) if runs else None
 
     def unconverged_runs(self) -> dict[str, int]:
-        """The completed runs (arms and control) that no patience rule stopped, counted by what stopped them."""
+        """The completed runs (arms and control) that did not converge, counted by what stopped them: a rule other
+        than patience, or patience while still improving (:data:`IMPROVING`)."""
         counts: dict[str, int] = {}
         for g in self.groups:
-            for rule in g.stopped_by:
-                if rule != PATIENCE:
-                    counts[rule] = counts.get(rule, 0) + 1
+            for rule, improving in zip(g.stopped_by, g.improving_at_stop):
+                if rule != PATIENCE or improving:
+                    key = IMPROVING if rule == PATIENCE else rule
+                    counts[key] = counts.get(key, 0) + 1
         return counts
 
     def not_an_answer(self) -> str:
@@ -239,7 +251,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         curve = curves.get(r.run_id, {})
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
-        g.still_improving += still_improving(history) or bleu_still_rising(curve.get("valid_bleu", []))
+        improving = still_improving(history) or bleu_still_rising(curve.get("valid_bleu", []))
+        g.still_improving += improving
+        g.improving_at_stop.append(improving)
         g.stopped_by.append(r.tags.get(STOPPED_BY_TAG, "unrecorded"))
         g.curves.append((seed, curve))
         for name, value in r.metrics.items():
