@@ -253,6 +253,29 @@ def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_a
     assert store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None).key == newest
 
 
+def test_a_baseline_trained_before_a_setting_existed_is_adoptable_at_the_setting_s_default(tmp_path, monkeypatch):
+    """Older code had no ``train.loss_guard``: its baseline recorded (and hashed) a weight config without it. Newer
+    code adopts it with the setting at its default (the older behaviour), and names the setting when it is not."""
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
+    root, uri = tmp_path / "store", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    older_weights = store.weight_config
+    with monkeypatch.context() as m:
+        _old_code(m)
+        m.setattr(store, "weight_config", lambda c: {k: v for k, v in older_weights(c).items()
+                                                     if k != "train.loss_guard"})
+        old = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)
+    assert "train.loss_guard" not in old.meta["weight_config"]
+    sums = store.prepare_data(cfg.data).checksums
+    guarded = cfg.with_overrides({"train.stop_metric": "valid_bleu", "train.valid_bleu": True, "train.patience": 1,
+                                  "train.loss_guard": True})
+    assert [r["key"] for r in store.adoptable(cfg, sums, root)] == [old.key]
+    assert store.adoptable(guarded, sums, root) == []
+    with pytest.raises(store.AdoptError, match="another config.*train.loss_guard"):
+        store.adopt_baseline(guarded, old.key, root, tracking_uri=uri)
+    new_key = store.adopt_baseline(cfg, old.key, root, tracking_uri=uri, reason="a setting added, at its default")
+    assert store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None).key == new_key
+
+
 def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(tmp_path, monkeypatch):
     from nmtcore import tracking
     from nmtcore.engine import Callback

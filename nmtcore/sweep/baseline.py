@@ -100,9 +100,15 @@ def weight_config(cfg: ExperimentConfig) -> dict[str, Any]:
 def baseline_key(cfg: ExperimentConfig, data_checksums: Mapping[str, str], code: str | None = None) -> str:
     """The content address of the baseline ``cfg`` trains on data with these checksums (of the training and
     validation files and the vocabulary: the test sets decide no weight)."""
+    return _hash_key(weight_config(cfg), cfg, data_checksums, code)
+
+
+def _hash_key(weights: Mapping[str, Any], cfg: ExperimentConfig, data_checksums: Mapping[str, str],
+              code: str | None) -> str:
+    """:func:`baseline_key` of the weight config ``weights`` (``cfg`` names the splits whose checksums count)."""
     splits = (cfg.data.train_split, cfg.data.valid_split)
     data = {k: v for k, v in data_checksums.items() if k == "vocab" or k.rsplit(".", 1)[0] in splits}
-    blob = json.dumps({"format": BASELINE_FORMAT, "config": weight_config(cfg), "data": data,
+    blob = json.dumps({"format": BASELINE_FORMAT, "config": dict(weights), "data": data,
                        "code": code or code_digest()}, sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -271,12 +277,13 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
         raise AdoptError(f"baseline {old_key[:12]} records no key inputs (neither meta.json nor {INPUTS_FILE}): "
                          "cannot check that only the code differs")
     mine = key_inputs(cfg, data.checksums, new_key)
-    if not _same_weight_config(record.get("weight_config"), mine["weight_config"]):
-        theirs, ours = record.get("weight_config") or {}, mine["weight_config"]
-        diff = sorted(k for k in set(theirs) | set(ours) if repr(theirs.get(k)) != repr(ours.get(k)))
+    theirs = record.get("weight_config") or {}
+    if not _same_weight_config(theirs, mine["weight_config"]):
+        ours, theirs_now = mine["weight_config"], _with_new_defaults(theirs, mine["weight_config"])
+        diff = sorted(k for k in set(theirs_now) | set(ours) if repr(theirs_now.get(k)) != repr(ours.get(k)))
         raise AdoptError(f"baseline {old_key[:12]} trained another config ({', '.join(diff[:5])}): not adoptable")
     codes = [record.get("code")] + [a.get("code") for a in _adoptions(old_dir) if a.get("key") == old_key]
-    if not any(baseline_key(cfg, data.checksums, code=code) == old_key for code in codes):
+    if not any(_hash_key(theirs, cfg, data.checksums, code) == old_key for code in codes):
         raise AdoptError(f"baseline {old_key[:12]} trained on other data or under another key format: not adoptable")
     (root / new_key).symlink_to(origin, target_is_directory=True)
     with open(old_dir / ADOPTIONS_FILE, "a", encoding="utf-8") as f:
@@ -317,14 +324,27 @@ def adoptable(cfg: ExperimentConfig, data_checksums: Mapping[str, str], root: st
     for row in (r for r in stored_baselines(root) if r["finished"]):
         meta = json.loads((Path(root) / row["key"] / "meta.json").read_text(encoding="utf-8"))
         if _same_weight_config(meta.get("weight_config"), mine) and meta.get("code") and \
-                baseline_key(cfg, data_checksums, code=meta["code"]) == row["key"]:
+                _hash_key(meta["weight_config"], cfg, data_checksums, meta["code"]) == row["key"]:
             out.append({"key": row["key"], "created": row["created"]})
     return sorted(out, key=lambda r: str(r["created"]), reverse=True)
 
 
-def _same_weight_config(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    """Whether two recorded weight configs are equal as :func:`baseline_key` hashes them (JSON, sorted keys)."""
-    return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
+def _same_weight_config(stored: Mapping[str, Any] | None, mine: Mapping[str, Any]) -> bool:
+    """Whether a stored baseline's recorded weight config is ``mine`` as :func:`baseline_key` hashes them (JSON,
+    sorted keys), a setting added to the config since it trained counting as its default
+    (:func:`_with_new_defaults`)."""
+    if stored is None:
+        return False
+    return json.dumps(_with_new_defaults(stored, mine), sort_keys=True, default=repr) == \
+        json.dumps(dict(mine), sort_keys=True, default=repr)
+
+
+def _with_new_defaults(stored: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, Any]:
+    """``stored`` with every weight setting it lacks and ``mine`` has filled in with the setting's default: a key
+    added to the config after a baseline trained did not exist for it, and a new setting's default keeps the
+    behaviour the code had before it (``train.loss_guard`` false); a non-default value still differs."""
+    defaults = weight_config(ExperimentConfig())
+    return {**{k: defaults[k] for k in mine if k not in stored and k in defaults}, **stored}
 
 
 def _adoptions(directory: Path) -> list[dict[str, Any]]:
