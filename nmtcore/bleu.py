@@ -159,6 +159,26 @@ def evaluate_files(hyp_path: str | os.PathLike, ref_path: str | os.PathLike) -> 
     }
 
 
+def compare_files(hyp_path: str | os.PathLike, against_path: str | os.PathLike, ref_path: str | os.PathLike,
+                  n_samples: int = 1000) -> dict[str, Any]:
+    """``hyp_path``'s hypotheses against another system's (``against_path``) on the same references: that system's
+    BLEU and brevity penalty, ΔBLEU (``hyp_path`` minus it), the 95% interval of the difference and the two-sided
+    p of a paired bootstrap (:func:`paired_bootstrap`, ``n_samples`` resamples; one-sided too).
+
+    Raises:
+        ValueError: if a file's line count differs from the references' (named).
+    """
+    hyps, against, refs = _read_lines(hyp_path), _read_lines(against_path), _read_lines(ref_path)
+    for path, lines in ((hyp_path, hyps), (against_path, against)):
+        if len(lines) != len(refs):
+            raise ValueError(f"{len(lines)} hypotheses in {path} but {len(refs)} references in {ref_path}")
+    test = paired_bootstrap(against, hyps, refs, n_samples=n_samples)
+    other = corpus_bleu(against, refs)
+    return {"hyp_path": str(os.path.abspath(against_path)), "bleu": other.score, "bp": other.bp,
+            "delta": test.diff, "ci95": list(test.ci_diff), "p": test.p_value_two_sided,
+            "p_one_sided": test.p_value, "n_samples": test.n_samples}
+
+
 # ------------------------------------------------------------------------------ paired bootstrap
 def paired_bootstrap(hyps_a: Sequence[str], hyps_b: Sequence[str], refs: Sequence[str],
                      n_samples: int = 1000, seed: int = 12345,

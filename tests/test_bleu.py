@@ -119,6 +119,21 @@ def test_evaluate_files(tmp_path, systems) -> None:
         evaluate_files(hyp_file, ref_file)
 
 
+def test_compare_files_is_the_paired_bootstrap_of_the_two_files(tmp_path, systems) -> None:
+    from nmtcore.bleu import compare_files
+
+    a, b, refs = systems
+    for name, lines in (("a", a), ("b", b), ("ref", refs)):
+        (tmp_path / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = compare_files(tmp_path / "b", tmp_path / "a", tmp_path / "ref", n_samples=300)
+    test = paired_bootstrap(a, b, refs, n_samples=300)
+    assert out["bleu"] == pytest.approx(corpus_bleu(a, refs).score) and out["delta"] == pytest.approx(test.diff)
+    assert out["ci95"] == pytest.approx(list(test.ci_diff)) and out["p"] == test.p_value_two_sided
+    (tmp_path / "a").write_text("\n".join(a[:-1]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{len(a) - 1} hypotheses in .*a but {len(refs)} references"):
+        compare_files(tmp_path / "b", tmp_path / "a", tmp_path / "ref")
+
+
 # ------------------------------------------------------------------------------ paired bootstrap
 def test_bootstrap_deterministic(systems) -> None:
     a, b, refs = systems

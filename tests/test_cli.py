@@ -70,6 +70,12 @@ def test_translate_from_checkpoint_and_evaluate(trained, tmp_path):
     import sacrebleu
 
     assert json.loads(r.stdout)["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-6)
+    # Against another system (the references themselves): ΔBLEU is this one's minus 100, every resample agrees.
+    r = nmtcore("evaluate", "--hyp", str(tmp_path / "h"), "--ref", str(tmp_path / "r"), "--against",
+                str(tmp_path / "r"), "--bootstrap", "50")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["against"]["bleu"] == pytest.approx(100.0)
+    assert out["against"]["delta"] == pytest.approx(out["bleu"] - 100.0) and out["against"]["n_samples"] == 50
     # The hypotheses the run wrote for its test split score what the summary says.
     r = nmtcore("evaluate", "--hyp", summary["test"]["test"]["hyp_path"], "--ref", str(tmp / "data" / "test.yy"))
     assert json.loads(r.stdout)["bleu"] == pytest.approx(summary["test"]["test"]["bleu"])

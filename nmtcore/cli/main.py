@@ -84,10 +84,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from nmtcore import bleu
     from nmtcore.data import DataError, read_lines
 
-    for path in (args.hyp, args.ref):
+    for path in (args.hyp, args.ref, *([args.against] if args.against else [])):
         read_lines(Path(path))  # a missing or undecodable file: one line naming it (and the line)
     try:
         scores = bleu.evaluate_files(args.hyp, args.ref)
+        if args.against:  # the hypotheses against another system's on the same references
+            scores["against"] = bleu.compare_files(args.hyp, args.against, args.ref, n_samples=args.bootstrap)
     except ValueError as e:  # the files' line counts differ (both named)
         raise DataError(str(e)) from None
     print(json.dumps(scores, indent=2))
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="sacreBLEU and chrF of a hypothesis file against references")
     ev.add_argument("--hyp", required=True)
     ev.add_argument("--ref", required=True)
+    ev.add_argument("--against", metavar="HYP", help="another system's hypotheses of the same source: adds "
+                    "ΔBLEU (--hyp minus these), its 95%% interval and two-sided p from a paired bootstrap")
+    ev.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for --against")
     ev.set_defaults(func=cmd_evaluate)
 
     rp = sub.add_parser("report", help="a sweep's table and figures, from MLflow alone")
