@@ -59,7 +59,7 @@ def scripted_trainer(tmp_path, bleus, updates_per_epoch=100, losses=None, **trai
 
     def epoch_of_updates(epoch):
         trainer.state.num_updates += updates_per_epoch
-        return {"train_loss": 1.0}
+        return {"train_loss": 1.0, "num_updates": float(trainer.state.num_updates)}
 
     trainer.train_epoch = epoch_of_updates
     trainer.validate = lambda: {"valid_loss": next(loss_values), "valid_bleu": next(values)}
@@ -98,6 +98,33 @@ def test_the_loss_guard_stops_only_when_bleu_and_the_loss_have_both_stalled(tmp_
     guarded = scripted_trainer(tmp_path / "guarded", bleus, losses=losses, **rule, **{"train.loss_guard": True}).fit()
     assert (guarded.epochs, guarded.stopped_by, guarded.best_epoch, guarded.best_score) == (8, "patience", 2, 32.0)
     assert guarded.best_valid_loss == 4.199
+
+
+def test_the_loss_guard_counts_a_recovery_from_the_restarted_warm_up_as_learning(tmp_path):
+    """The MiniLM-L4 study's control seed 6 (the papers' second stage on the converged baseline): the restarted
+    warm-up (epochs 1-3 end inside it here) pushes the loss from 4.263 to 4.432, then it falls 4.398, 4.359,
+    4.319 while BLEU stays under epoch 1's. Plain BLEU patience stops at epoch 6 with epoch 1's weights; the guard
+    measures the fall from the warm-up's end, not from the loss of the model the stage started with, and goes on
+    until the loss stalls too."""
+    bleus = [35.46, 35.12, 32.98, 33.72, 34.24, 34.42, 34.9, 35.0, 34.8, 34.95, 35.1]
+    losses = [4.263, 4.300, 4.432, 4.398, 4.359, 4.319, 4.300, 4.301, 4.299, 4.305, 4.310]
+    rule = {"train.patience": 3, "train.min_delta": 0.1, "train.warmup_updates": 350}
+    plain = scripted_trainer(tmp_path / "plain", bleus, losses=losses, **rule).fit()
+    assert (plain.epochs, plain.best_epoch) == (6, 1)
+    guarded = scripted_trainer(tmp_path / "guarded", bleus, losses=losses, **rule, **{"train.loss_guard": True}).fit()
+    assert (guarded.epochs, guarded.stopped_by, guarded.best_epoch) == (10, "patience", 1)
+
+
+def test_loss_still_falling_is_measured_from_the_warm_up_s_end():
+    from nmtcore.engine.stopping import loss_still_falling
+
+    updates = [100.0, 200.0, 300.0, 400.0, 500.0]
+    assert loss_still_falling([4.2, 4.5, 4.4, 4.35, 4.3], updates, warmup_updates=250)  # below 4.35 (after 300)
+    assert not loss_still_falling([4.2, 4.5, 4.4, 4.35, 4.3], updates, warmup_updates=0)  # above 4.2: all count
+    assert not loss_still_falling([4.2, 4.5, 4.4, 4.3, 4.299], updates, warmup_updates=250)  # 0.02%: not a gain
+    assert loss_still_falling([4.2, 4.5, 4.4, 4.35, 4.3], [math.nan] * 5, warmup_updates=250) is False  # all count
+    assert loss_still_falling([4.5, 4.4], [100.0, 300.0], warmup_updates=250)  # the first epoch after it
+    assert not loss_still_falling([], [], 0) and not loss_still_falling([4.0, math.nan], [1.0, 2.0], 0)
 
 
 def test_the_loss_guard_survives_a_resume(tmp_path):

@@ -38,9 +38,12 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
 
     same_as = {"layers=4, hidden=128": 0.5}.get(label, quality if isinstance(quality, float) else 0.4)
     # By default two epochs of gains and a third without (patience 1 fired: converged).
-    losses, bleus = curves or ([5.0 - epoch * same_as + seed for epoch in (1, 2, 2)], [1.0, 2.0, 1.95])
+    losses, bleus, *updates = curves or ([5.0 - epoch * same_as + seed for epoch in (1, 2, 2)], [1.0, 2.0, 1.95])
+    if updates:  # the update count at each epoch's end, after a warm-up of WARMUP updates
+        run.log_params({"train.warmup_updates": WARMUP})
     for epoch, (loss, valid_bleu) in enumerate(zip(losses, bleus), start=1):
-        run.log_metrics({"valid_loss": loss, "valid_bleu": valid_bleu}, step=epoch)
+        run.log_metrics({"valid_loss": loss, "valid_bleu": valid_bleu,
+                         **({"num_updates": updates[0][epoch - 1]} if updates else {})}, step=epoch)
     if state != "complete":
         run.set_tags({lifecycle.TRIAL_STATE_TAG: state, **({tracking.FAILURE_REASON_TAG: "NonFiniteLossError: "
                                                             "non-finite training loss (nan) at update 7"}
@@ -269,6 +272,10 @@ def test_a_sweep_without_phases_has_no_phase_column(sweep_store):
 
 FLAT = ([5.0, 4.0, 4.1], [10.0, 20.0, 19.0])  # validation loss and BLEU per epoch of a run that has levelled off
 FALLING = ([5.0, 4.0, 3.9], [10.0, 20.0, 19.9])  # the loss still falls at the last epoch, BLEU within min_delta
+WARMUP = 250
+# A warm-started run recovering from the restarted warm-up (epochs 1-2 end inside it): the loss falls from epoch 3
+# on but is still above epoch 1's, BLEU still under epoch 1's. Its last epoch is its lowest loss since the warm-up.
+RECOVERING = ([4.26, 4.43, 4.40, 4.36], [35.0, 33.0, 33.5, 34.0], [100.0, 200.0, 300.0, 400.0])
 
 
 def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnostics=None, arm_curves=FLAT):
@@ -297,6 +304,8 @@ def stage_sweep(tmp_path, name, arm_stopped_by, baseline_converged=None, diagnos
     # BLEU's patience rule fired on a run whose loss still fell: stopped by patience, not converged
     ("patience", True, FALLING, "1 of 2 runs stopped before convergence (1 by patience while validation loss still "
                                 "fell or BLEU still rose)"),
+    ("patience", True, RECOVERING, "1 of 2 runs stopped before convergence (1 by patience while validation loss "
+                                   "still fell or BLEU still rose)"),
 ])
 def test_the_not_an_answer_line_and_the_stop_column_appear_exactly_when_they_should(
         tmp_path, arm_stopped_by, baseline_converged, arm_curves, verdict):

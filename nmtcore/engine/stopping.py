@@ -55,11 +55,10 @@ class StopRule:
         gain = value - best if self.higher_is_better else best - value
         return gain > self.min_delta
 
-    def loss_fell(self, loss: float, lowest: float) -> bool:
-        """Whether the guard counts this epoch as a gain: ``loss`` is below the ``lowest`` validation loss of the
-        earlier epochs by more than :data:`LOSS_GAIN` of it (always False without the guard)."""
-        return self.loss_guard and math.isfinite(loss) and (not math.isfinite(lowest) or
-                                                            loss < lowest * (1.0 - LOSS_GAIN))
+    def loss_fell(self, losses: list[float], updates: list[float], warmup_updates: int) -> bool:
+        """Whether the guard counts the last of these epochs as a gain (always False without the guard): its
+        validation loss is the lowest since the warm-up ended (:func:`loss_still_falling`)."""
+        return self.loss_guard and loss_still_falling(losses, updates, warmup_updates)
 
     def fired(self, bad_epochs: int) -> bool:
         """Whether ``bad_epochs`` epochs in a row without a gain end the run."""
@@ -75,3 +74,20 @@ def stopped_by(stop_reason: str, rule_on: bool) -> str:
     if rule_on and stop_reason in ("max_epochs", "max_updates"):
         return CAP
     return SCHEDULE
+
+
+def loss_still_falling(losses: list[float], updates: list[float], warmup_updates: int) -> bool:
+    """Whether a run's validation loss was still falling at the last of these epochs: it is below the lowest loss
+    of the earlier epochs that ended after the learning-rate warm-up (``updates``: the update count at each
+    epoch's end; every earlier epoch when they are not known) by more than :data:`LOSS_GAIN` of it. The first
+    epoch after the warm-up falls by definition.
+
+    The warm-up's end, not the run's start, is the reference: the papers' second stage restarts the warm-up on a
+    converged model, whose loss the rising rate first pushes up; a run recovering from that is still learning
+    although its loss has not yet come back below its first epoch's."""
+    if not losses or not math.isfinite(losses[-1]):
+        return False
+    known = len(updates) == len(losses)  # an epoch whose update count is unknown (NaN) counts as after the warm-up
+    earlier = [loss for i, loss in enumerate(losses[:-1]) if not known or not updates[i] <= warmup_updates]
+    finite = [loss for loss in earlier if math.isfinite(loss)]
+    return not finite or losses[-1] < min(finite) * (1.0 - LOSS_GAIN)

@@ -495,7 +495,10 @@ class Trainer:
         """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics`` (epochs that
         end inside the warm-up are not counted)."""
         s = self.state
-        loss_fell = self.stop_rule.loss_fell(metrics["valid_loss"], s.best_valid_loss)
+        epochs = [*s.history, metrics]  # this epoch is not in the history yet
+        loss_fell = self.stop_rule.loss_fell([m["valid_loss"] for m in epochs],
+                                             [m.get("num_updates", math.nan) for m in epochs],
+                                             self.cfg.train.warmup_updates)
         s.best_valid_loss = min(s.best_valid_loss, metrics["valid_loss"])
         value = metrics[self.stop_rule.metric]
         best = s.best_score if not math.isnan(s.best_score) else self.stop_rule.worst

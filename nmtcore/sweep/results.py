@@ -17,8 +17,7 @@ import yaml
 
 from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
-from nmtcore.engine.stopping import PATIENCE
-from nmtcore.engine.summary import still_improving
+from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
@@ -197,12 +196,12 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
-    """The run's validation loss and validation BLEU per epoch (empty where not logged)."""
+    """The run's validation loss, validation BLEU and update count per epoch (empty where not logged)."""
     try:
         metrics = tracking.get_run_metrics(run.run_id, uri)
     except tracking.TrackingError:
         metrics = {}
-    return {k: [v for _, v in metrics.get(k, [])] for k in ("valid_loss", "valid_bleu")}
+    return {k: [v for _, v in metrics.get(k, [])] for k in ("valid_loss", "valid_bleu", "num_updates")}
 
 
 def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
@@ -251,7 +250,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         curve = curves.get(r.run_id, {})
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
-        improving = still_improving(history) or bleu_still_rising(curve.get("valid_bleu", []))
+        warmup = int(float(r.params.get("train.warmup_updates", 0) or 0))
+        improving = loss_still_falling(history, curve.get("num_updates", []), warmup) or bleu_still_rising(
+            curve.get("valid_bleu", []))
         g.still_improving += improving
         g.improving_at_stop.append(improving)
         g.stopped_by.append(r.tags.get(STOPPED_BY_TAG, "unrecorded"))
