@@ -1,8 +1,9 @@
 """What the studies share: the offline BERT they default to, the two protocols, the budgets of the arms.
 
 Convergence is a budget (:mod:`nmtcore.engine.stopping`): a run trains until ``train.patience`` epochs in a
-row fail to raise greedy validation BLEU by more than ``train.min_delta``, under an epoch cap that only guards
-against a run that never settles. The shared baseline trains so; the arms' second stage after a warm start
+row fail to raise greedy validation BLEU by more than ``train.min_delta`` and to lower the validation loss below
+its lowest since the warm-up (``train.loss_guard``), under an epoch cap that only guards against a run that
+never settles. The shared baseline trains so; the arms' second stage after a warm start
 does too, as the papers train it.
 
 The second stage is the papers' (BERT-fused's code: ``--warmup-from-nmt --reset-lr-scheduler``, the same
@@ -22,8 +23,10 @@ from nmtcore.sweep.space import Protocol
 
 # The BERT a study uses unless the user sets another: the packaged, offline all-MiniLM-L6-v2.
 MINILM = {"model.bert.name": "minilm"}
-# The stopping rule every converged budget uses.
-CONVERGE = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1}
+# The stopping rule every converged budget uses: 3 epochs in a row without a gain of 0.1 greedy validation BLEU nor a
+# new lowest validation loss since the warm-up (the loss guard: greedy BLEU alone stopped runs still learning,
+# docs/convergence.md).
+CONVERGE = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.loss_guard": True}
 # The shared baseline: trained to convergence, once per (config, data, seed, code).
 BASELINE_BUDGET = {**CONVERGE, "train.max_epochs": 60}
 # Arms and control start from the shared converged baseline (BERT-fused, document context, mask fusion; the

@@ -115,6 +115,24 @@ def test_the_loss_guard_counts_a_recovery_from_the_restarted_warm_up_as_learning
     assert (guarded.epochs, guarded.stopped_by, guarded.best_epoch) == (10, "patience", 1)
 
 
+def test_a_replay_of_recorded_epochs_stops_where_the_trainer_stops(tmp_path):
+    """The rule replayed on a recorded history (:func:`replay`) is the trainer's: same stop, same best epoch, with
+    and without the guard (the recovery curve above)."""
+    from nmtcore.engine.stopping import replay
+
+    bleus = [35.46, 35.12, 32.98, 33.72, 34.24, 34.42, 34.9, 35.0, 34.8, 34.95, 35.1]
+    losses = [4.263, 4.300, 4.432, 4.398, 4.359, 4.319, 4.300, 4.301, 4.299, 4.305, 4.310]
+    history = [{"valid_bleu": b, "valid_loss": loss, "num_updates": 100.0 * e}
+               for e, (b, loss) in enumerate(zip(bleus, losses), start=1)]
+    for guard in (False, True):
+        rule = {"train.patience": 3, "train.min_delta": 0.1, "train.warmup_updates": 350, "train.loss_guard": guard}
+        fit = scripted_trainer(tmp_path / str(guard), bleus, losses=losses, **rule).fit()
+        replayed = replay(StopRule("valid_bleu", 3, 0.1, guard), history, warmup_updates=350)
+        assert (replayed.stopped_at, replayed.best_epoch, replayed.best_score) == (fit.epochs, fit.best_epoch,
+                                                                                   fit.best_score)
+    assert replay(StopRule("valid_bleu", 3, 0.1), history[:5], 350).stopped_at is None  # not fired yet
+
+
 def test_loss_still_falling_is_measured_from_the_warm_up_s_end():
     from nmtcore.engine.stopping import loss_still_falling
 

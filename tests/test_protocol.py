@@ -276,6 +276,41 @@ def test_a_baseline_trained_before_a_setting_existed_is_adoptable_at_the_setting
     assert store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None).key == new_key
 
 
+def test_a_baseline_is_adopted_under_a_changed_stopping_rule_only_if_its_epochs_replay_to_the_same_stop(
+        tmp_path, monkeypatch):
+    """A stopping-rule setting (``train.patience``, ``train.min_delta``, ``train.loss_guard``) changes the weights
+    only through where the run stops: the stored baseline's recorded epochs are replayed under the new rule, and
+    it is adopted when the rule stops it at the same epoch with the same best epoch, refused (saying where the new
+    rule would stop it) otherwise. Any other setting is still refused outright."""
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 3})
+    root, uri = tmp_path / "store", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with monkeypatch.context() as m:
+        _old_code(m)
+        old = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)
+    assert old.meta["fit"]["epochs"] == 3 and old.meta["fit"]["stopped_by"] == "schedule"
+    sums = store.prepare_data(cfg.data).checksums
+    # the tiny experiment warms up over 50 updates: every epoch here ends after it
+    falling = [{"valid_loss": x, "num_updates": 100.0 * e} for e, x in enumerate((5.0, 4.0, 3.0), start=1)]
+    rising = [{"valid_loss": x, "num_updates": 100.0 * e} for e, x in enumerate((3.0, 4.0, 5.0), start=1)]
+    patient = cfg.with_overrides({"train.patience": 2})  # a rule where there was none, same cap
+    with monkeypatch.context() as m:
+        m.setattr(store, "load_checkpoint", lambda path: {"train_state": {"history": rising}})
+        assert store.adoptable(patient, sums, root) == []
+        with pytest.raises(store.AdoptError, match="another stopping rule \\(train.patience\\) and this rule would "
+                                                   "stop it after epoch 3 \\(best 1\\), not where it stopped "
+                                                   "\\(after epoch 3, best 3, by schedule\\): not adoptable"):
+            store.adopt_baseline(patient, old.key, root, tracking_uri=uri)
+    with pytest.raises(store.AdoptError, match="another config \\(train.lr, train.patience\\)"):
+        store.adopt_baseline(patient.with_overrides({"train.lr": 1e-3}), old.key, root, tracking_uri=uri)
+    with monkeypatch.context() as m:
+        m.setattr(store, "load_checkpoint", lambda path: {"train_state": {"history": falling}})
+        assert [r["key"] for r in store.adoptable(patient, sums, root)] == [old.key]
+        new_key = store.adopt_baseline(patient, old.key, root, tracking_uri=uri)
+    [record] = store._adoptions(root / old.key)
+    assert record["key"] == new_key and "stopping rule changed (train.patience: 0 -> 2)" in record["reason"]
+    assert store.ensure_baseline(patient, root, tracking_uri=uri, progress=lambda line: None).key == new_key
+
+
 def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(tmp_path, monkeypatch):
     from nmtcore import tracking
     from nmtcore.engine import Callback

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from nmtcore.config import TrainConfig
 from nmtcore.config.sections import STOP_METRICS
@@ -63,6 +64,44 @@ class StopRule:
     def fired(self, bad_epochs: int) -> bool:
         """Whether ``bad_epochs`` epochs in a row without a gain end the run."""
         return self.patience > 0 and bad_epochs >= self.patience
+
+    def judge(self, epochs: list[Mapping[str, float]], best: float, bad_epochs: int,
+              warmup_updates: int) -> tuple[bool, int]:
+        """The rule after the last of ``epochs`` (each epoch's ``valid_loss``, ``num_updates`` and this rule's
+        metric, all epochs so far): whether it is a new best, and the epochs in a row without a gain now. An
+        epoch that ends inside the learning-rate warm-up never counts against patience: a rising rate makes a
+        trained model worse before it makes it better, and the papers' second stage restarts the whole warm-up on
+        the converged baseline (docs/convergence.md)."""
+        last = epochs[-1]
+        if self.improves(last[self.metric], best if math.isfinite(best) else self.worst):
+            return True, 0
+        if self.loss_fell([e["valid_loss"] for e in epochs], [e.get("num_updates", math.nan) for e in epochs],
+                          warmup_updates):
+            return False, 0  # still learning by the loss: not a bad epoch; the best stays the metric's
+        return False, bad_epochs + (not last.get("num_updates", math.inf) <= warmup_updates)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Where a rule stops a recorded run: the epoch it fires after (None: it never fires on these epochs), the best
+    epoch and its metric."""
+
+    stopped_at: int | None
+    best_epoch: int
+    best_score: float
+
+
+def replay(rule: StopRule, history: Sequence[Mapping[str, float]], warmup_updates: int) -> Replay:
+    """``rule`` run over a recorded run's epochs (``history``: per epoch ``valid_loss``, ``num_updates`` and the
+    rule's metric), as the trainer runs it epoch by epoch (one phase)."""
+    best, best_epoch, bad = math.nan, 0, 0
+    for epoch in range(1, len(history) + 1):
+        improved, bad = rule.judge(list(history[:epoch]), best, bad, warmup_updates)
+        if improved:
+            best, best_epoch = history[epoch - 1][rule.metric], epoch
+        if rule.fired(bad):
+            return Replay(epoch, best_epoch, best)
+    return Replay(None, best_epoch, best)
 
 
 def stopped_by(stop_reason: str, rule_on: bool) -> str:

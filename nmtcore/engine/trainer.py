@@ -495,22 +495,13 @@ class Trainer:
         """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics`` (epochs that
         end inside the warm-up are not counted)."""
         s = self.state
-        epochs = [*s.history, metrics]  # this epoch is not in the history yet
-        loss_fell = self.stop_rule.loss_fell([m["valid_loss"] for m in epochs],
-                                             [m.get("num_updates", math.nan) for m in epochs],
-                                             self.cfg.train.warmup_updates)
         s.best_valid_loss = min(s.best_valid_loss, metrics["valid_loss"])
-        value = metrics[self.stop_rule.metric]
-        best = s.best_score if not math.isnan(s.best_score) else self.stop_rule.worst
-        if self.stop_rule.improves(value, best):
-            s.best_score, s.best_epoch, s.bad_epochs = value, epoch, 0
-        elif loss_fell:  # still learning by the loss (train.loss_guard): not a bad epoch; the best stays BLEU's
-            s.bad_epochs = 0
-        elif s.num_updates > self.cfg.train.warmup_updates:
-            s.bad_epochs += 1
-        # An epoch that ends inside the learning-rate warm-up never counts against patience: a rising rate makes a
-        # trained model worse before it makes it better, and the papers' second stage restarts the whole warm-up
-        # on the converged baseline (docs/convergence.md).
+        # This phase's epochs so far, this one last (it is not in the history yet), with its update count.
+        epochs = [e for e in s.history if e.get("phase") == metrics.get("phase")]
+        epochs.append({**metrics, "num_updates": float(s.num_updates)})
+        improved, s.bad_epochs = self.stop_rule.judge(epochs, s.best_score, s.bad_epochs, self.cfg.train.warmup_updates)
+        if improved:
+            s.best_score, s.best_epoch = metrics[self.stop_rule.metric], epoch
 
     def phase_starts(self) -> dict[str, int]:
         """The epoch each phase of the schedule began in this run (from the epoch history, which a resume

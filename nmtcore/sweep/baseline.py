@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nmtcore import tracking
-from nmtcore.checkpoint import epoch_checkpoints, save_checkpoint
+from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint, save_checkpoint
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.engine import Callback, RunSummary, Trainer, run_experiment
+from nmtcore.engine.stopping import PATIENCE, StopRule, replay
 from nmtcore.engine.summary import still_improving
 from nmtcore.files import atomic_write_text, file_lock
 from nmtcore.sweep.lifecycle import ROLE_TAG
@@ -48,6 +49,9 @@ KEY_TAG = schema.BASELINE_KEY
 NOT_WEIGHTS = ("name", "output_dir", "train.save_dir", "train.num_threads", "train.log_interval",
                "train.valid_bleu", "data.data_dir", "data.cache_dir", "data.download", "data.test_splits",
                "model.bert.cache_dir")
+# The stopping rule's settings: a finished baseline trained under other values of these alone is adoptable when its
+# recorded epochs, replayed under this rule, stop where it stopped (the same weights).
+RULE_KEYS = ("train.patience", "train.min_delta", "train.loss_guard")
 # The code that decides a baseline's weights (a Transformer trained by the engine on prepared data).
 CODE = ("nmtcore/models/base.py", "nmtcore/models/transformer.py", "nmtcore/nn", "nmtcore/engine", "nmtcore/data",
         "nmtcore/devices.py", "nmtcore/checkpoint.py")
@@ -278,10 +282,21 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
                          "cannot check that only the code differs")
     mine = key_inputs(cfg, data.checksums, new_key)
     theirs = record.get("weight_config") or {}
-    if not _same_weight_config(theirs, mine["weight_config"]):
-        ours, theirs_now = mine["weight_config"], _with_new_defaults(theirs, mine["weight_config"])
-        diff = sorted(k for k in set(theirs_now) | set(ours) if repr(theirs_now.get(k)) != repr(ours.get(k)))
+    diff = _config_diff(theirs, mine["weight_config"])
+    if diff and not set(diff) <= set(RULE_KEYS):
         raise AdoptError(f"baseline {old_key[:12]} trained another config ({', '.join(diff[:5])}): not adoptable")
+    if diff:  # only the stopping rule differs: the same weights if the rule would have stopped it where it stopped
+        if "fit" not in record:
+            raise AdoptError(f"baseline {old_key[:12]} did not finish under its rule ({', '.join(diff)} differ): "
+                             "only a finished one can be replayed under this rule")
+        why = _replays_the_same(old_dir, record, cfg)
+        if why:
+            raise AdoptError(f"baseline {old_key[:12]} trained under another stopping rule ({', '.join(diff)}) and "
+                             f"{why}: not adoptable")
+        changed = ", ".join(f"{k}: {_with_new_defaults(theirs, mine['weight_config']).get(k)!r} -> "
+                            f"{mine['weight_config'][k]!r}" for k in diff)
+        reason = "; ".join(x for x in (reason, f"stopping rule changed ({changed}); its recorded epochs replayed "
+                                               "under the new rule stop where it stopped") if x)
     codes = [record.get("code")] + [a.get("code") for a in _adoptions(old_dir) if a.get("key") == old_key]
     if not any(_hash_key(theirs, cfg, data.checksums, code) == old_key for code in codes):
         raise AdoptError(f"baseline {old_key[:12]} trained on other data or under another key format: not adoptable")
@@ -323,20 +338,41 @@ def adoptable(cfg: ExperimentConfig, data_checksums: Mapping[str, str], root: st
     out = []
     for row in (r for r in stored_baselines(root) if r["finished"]):
         meta = json.loads((Path(root) / row["key"] / "meta.json").read_text(encoding="utf-8"))
-        if _same_weight_config(meta.get("weight_config"), mine) and meta.get("code") and \
-                _hash_key(meta["weight_config"], cfg, data_checksums, meta["code"]) == row["key"]:
+        diff = _config_diff(meta.get("weight_config") or {}, mine)
+        if not set(diff) <= set(RULE_KEYS) or (diff and _replays_the_same(Path(root) / row["key"], meta, cfg)):
+            continue
+        if meta.get("code") and _hash_key(meta["weight_config"], cfg, data_checksums, meta["code"]) == row["key"]:
             out.append({"key": row["key"], "created": row["created"]})
     return sorted(out, key=lambda r: str(r["created"]), reverse=True)
 
 
-def _same_weight_config(stored: Mapping[str, Any] | None, mine: Mapping[str, Any]) -> bool:
-    """Whether a stored baseline's recorded weight config is ``mine`` as :func:`baseline_key` hashes them (JSON,
-    sorted keys), a setting added to the config since it trained counting as its default
-    (:func:`_with_new_defaults`)."""
-    if stored is None:
-        return False
-    return json.dumps(_with_new_defaults(stored, mine), sort_keys=True, default=repr) == \
-        json.dumps(dict(mine), sort_keys=True, default=repr)
+def _config_diff(stored: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
+    """The weight settings in which a stored baseline's recorded config differs from ``mine`` (a setting added
+    since counting as its default), sorted."""
+    theirs = _with_new_defaults(stored, mine)
+    return sorted(k for k in set(theirs) | set(mine) if repr(theirs.get(k)) != repr(mine.get(k)))
+
+
+def _replays_the_same(home: Path, meta: Mapping[str, Any], cfg: ExperimentConfig) -> str:
+    """"" if ``cfg``'s stopping rule, replayed on the epochs a finished baseline recorded (its last epoch
+    checkpoint's history), stops it at the epoch it stopped at with the same best epoch (so the same weights are
+    tested and handed on); else what differs. A rule that would have run on past a patience stop cannot be
+    replayed: that is a difference."""
+    fit = meta.get("fit") or {}
+    saved = epoch_checkpoints(home / "run" / "checkpoints")
+    if not saved:
+        return "its epoch checkpoints are gone (nothing to replay)"
+    history = load_checkpoint(saved[-1])["train_state"]["history"]
+    if len(history) != fit.get("epochs"):
+        return f"its last checkpoint holds {len(history)} epochs, not the {fit.get('epochs')} it trained"
+    then = replay(StopRule.from_config(cfg.train), history, cfg.train.warmup_updates)
+    expected = fit["epochs"] if fit.get("stopped_by") == PATIENCE else None
+    if (then.stopped_at, then.best_epoch) == (expected, fit.get("best_epoch")):
+        return ""
+    would = (f"would stop it after epoch {then.stopped_at}" if then.stopped_at else
+             f"would not stop it within its {len(history)} epochs")
+    return (f"this rule {would} (best {then.best_epoch}), not where it stopped (after epoch {fit.get('epochs')}, "
+            f"best {fit.get('best_epoch')}, by {fit.get('stopped_by')})")
 
 
 def _with_new_defaults(stored: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, Any]:
