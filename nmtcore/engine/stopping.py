@@ -16,11 +16,9 @@ from typing import Mapping, Sequence
 
 from nmtcore.config import TrainConfig
 from nmtcore.config.sections import STOP_METRICS
+from nmtcore.engine.summary import LOSS_GAIN
 
 PATIENCE, CAP, SCHEDULE = "patience", "cap", "schedule"
-# The relative fall of the validation loss below its lowest so far that counts as a gain: for the loss guard
-# (``train.loss_guard``) and for reports that ask whether a run was still improving when it stopped.
-LOSS_GAIN = 0.002
 STOPPED_BY = (PATIENCE, CAP, SCHEDULE)
 
 
