@@ -198,7 +198,7 @@ def test_an_arm_whose_bleu_still_rises_is_not_called_converged(tmp_path):
     assert flagged == {"control": 0, "p_net=1": 1}, flagged
     assert [w for w in rep.warnings if "still rising" in w] == [
         "p_net=1: validation loss still falling or validation BLEU still rising at the last epoch in 1 run(s): "
-        "the budget stopped it before it converged"]
+        "it stopped before it converged"]
     assert results.bleu_still_rising([30.7, 32.9, 33.4]) and not results.bleu_still_rising([33.7, 34.9, 34.6])
     assert not results.bleu_still_rising([34.0, 34.05])  # within the tolerance: noise, not progress
 

@@ -180,7 +180,7 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
             warnings.append(f"{g.label}: {g.status['failed']} trial(s) failed: {'; '.join(sorted(reasons))}")
         if g.still_improving:
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
-                            f"epoch in {g.still_improving} run(s): the budget stopped it before it converged")
+                            f"epoch in {g.still_improving} run(s): it stopped before it converged")
     converged = recorded.baseline_converged
     if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
