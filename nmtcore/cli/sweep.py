@@ -160,8 +160,8 @@ def _run(study: Any, args: argparse.Namespace) -> int:
             raise AdoptError(f"{space.name} warm-starts from no shared baseline: nothing to adopt")
         new = adopt_baseline(baseline, args.adopt_baseline, settings.baseline_store, tracking_uri=settings.tracking_uri,
                              reason=f"--adopt-baseline by {study.STUDY}-{space.variant}")
-        print(f"baseline {args.adopt_baseline[:12]} adopted as {new[:12]}: same config and data, older code "
-              "(recorded in its adoptions.jsonl)")
+        print(f"baseline {args.adopt_baseline[:12]} adopted as {new[:12]}: same data, same config or a stopping rule "
+              "that replays to the same stop, older code (the reason is recorded in its adoptions.jsonl)")
     if args.dry_run:
         from nmtcore.sweep.cost import dry_run
 
