@@ -324,6 +324,8 @@ def test_the_not_an_answer_line_and_the_stop_column_appear_exactly_when_they_sho
     else:
         first = md.splitlines()[0]
         assert first.startswith("**Not an answer: ") and verdict in first and md.count("Not an answer") == 1
+        advice = "train.loss_guard" if arm_curves is not FLAT and arm_stopped_by == "patience" else "budget cut short"
+        assert advice in first, first
 
 
 def test_the_report_says_how_each_arm_used_bert_and_draws_every_runs_validation_curve(tmp_path):

@@ -159,7 +159,7 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         if baseline is None:
             raise AdoptError(f"{space.name} warm-starts from no shared baseline: nothing to adopt")
         new = adopt_baseline(baseline, args.adopt_baseline, settings.baseline_store, tracking_uri=settings.tracking_uri,
-                             reason=f"--adopt-baseline by {study.STUDY}-{space.variant}")
+                             reason=f"--adopt-baseline by sweep {settings.name}")
         print(f"baseline {args.adopt_baseline[:12]} adopted as {new[:12]}: same data, same config or a stopping rule "
               "that replays to the same stop, older code (the reason is recorded in its adoptions.jsonl)")
     if args.dry_run:

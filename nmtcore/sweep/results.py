@@ -141,6 +141,10 @@ class SweepReport:
             parts.append("the baseline they warm-started from was not trained to convergence")
         if not parts:
             return ""
+        if set(counts) == {IMPROVING} and self.baseline_converged is not False:  # the rule fired too early
+            return ("Not an answer: " + "; ".join(parts) + ". The Δs below compare models stopped while still "
+                    "learning, not what BERT does; rerun under a rule that also waits for the validation loss "
+                    "(train.loss_guard, the converged budgets' default) for an answer.")
         return ("Not an answer: " + "; ".join(parts) + ". The Δs below compare models the budget cut short, not "
                 "what BERT does; run the converged budget (patience rule) for an answer.")
 
