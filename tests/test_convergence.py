@@ -86,9 +86,8 @@ def test_epochs_inside_the_warm_up_do_not_count_against_patience(tmp_path):
 
 
 def test_the_loss_guard_stops_only_when_bleu_and_the_loss_have_both_stalled(tmp_path):
-    """Greedy BLEU that wobbles while the validation loss still falls (the MiniLM-L4 study's BERT-fused seed 5:
-    BLEU 35.38, 35.18, 33.47, 35.07 at epochs 5-8, loss 4.268, 4.243, 4.279, 4.194): BLEU's rule alone stops at
-    epoch 5; with the guard, epochs 3 and 5 set new lowest losses, so the run goes on until three epochs in a row
+    """Greedy BLEU that wobbles while the validation loss still falls (the run docs/convergence.md shows): BLEU's
+    rule alone stops at epoch 5; with the guard, epochs 3 and 5 set new lowest losses, so the run goes on until three epochs in a row
     gain neither (6-8), and its best stays the best by BLEU."""
     bleus = [30.0, 32.0, 31.5, 31.9, 31.0, 31.8, 31.7, 31.2, 33.0]
     losses = [4.40, 4.30, 4.25, 4.26, 4.20, 4.21, 4.205, 4.199, 4.10]  # 4.199: 0.02% below 4.20, under the gain
@@ -101,9 +100,9 @@ def test_the_loss_guard_stops_only_when_bleu_and_the_loss_have_both_stalled(tmp_
 
 
 def test_the_loss_guard_counts_a_recovery_from_the_restarted_warm_up_as_learning(tmp_path):
-    """The MiniLM-L4 study's control seed 6 (the papers' second stage on the converged baseline): the restarted
-    warm-up (epochs 1-3 end inside it here) pushes the loss from 4.263 to 4.432, then it falls 4.398, 4.359,
-    4.319 while BLEU stays under epoch 1's. Plain BLEU patience stops at epoch 6 with epoch 1's weights; the guard
+    """A control in the papers' second stage on the converged baseline (docs/convergence.md): the restarted
+    warm-up (epochs 1-3 end inside it here) pushes the loss up, then it falls back while BLEU stays under epoch
+    1's. Plain BLEU patience stops at epoch 6 with epoch 1's weights; the guard
     measures the fall from the warm-up's end, not from the loss of the model the stage started with, and goes on
     until the loss stalls too."""
     bleus = [35.46, 35.12, 32.98, 33.72, 34.24, 34.42, 34.9, 35.0, 34.8, 34.95, 35.1]

@@ -279,9 +279,9 @@ class TrainConfig:
     stop_metric: str = "valid_loss"  # valid_loss (lower is better) or valid_bleu (greedy, higher is better)
     min_delta: float = 0.0
     # With stop_metric valid_bleu: an epoch that lowers the validation loss below every earlier epoch's (by more
-    # than nmtcore.engine.summary.LOSS_GAIN, relative) is not an epoch without a gain either, so the rule stops a
-    # run only when BLEU and the loss have both stalled (greedy BLEU on a small validation set moves by about a
-    # point from epoch to epoch; the loss is the smoother sign that a run still learns). docs/convergence.md.
+    # than nmtcore.engine.stopping.LOSS_GAIN, relative) is not an epoch without a gain either, so the rule stops a
+    # run only when BLEU and the loss have both stalled (greedy BLEU on a small validation set is noisy from epoch
+    # to epoch; the loss is the smoother sign that a run still learns). docs/convergence.md.
     loss_guard: bool = False
     seed: int = 1
     precision: str = "auto"  # auto = bf16 autocast where the hardware has it, else fp32

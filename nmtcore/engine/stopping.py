@@ -16,10 +16,12 @@ from typing import Mapping, Sequence
 
 from nmtcore.config import TrainConfig
 from nmtcore.config.sections import STOP_METRICS
-from nmtcore.engine.summary import LOSS_GAIN
 
 PATIENCE, CAP, SCHEDULE = "patience", "cap", "schedule"
 STOPPED_BY = (PATIENCE, CAP, SCHEDULE)
+# The relative fall of the validation loss below its lowest so far that counts as a gain: for the loss guard
+# (``train.loss_guard``) and for asking whether a run was still improving when it stopped.
+LOSS_GAIN = 0.002
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class StopRule:
         trained model worse before it makes it better, and the papers' second stage restarts the whole warm-up on
         the converged baseline (docs/convergence.md)."""
         last = epochs[-1]
-        if self.improves(last[self.metric], best if math.isfinite(best) else self.worst):
+        if self.improves(last[self.metric], best):
             return True, 0
         if self.loss_fell([e["valid_loss"] for e in epochs], [e.get("num_updates", math.nan) for e in epochs],
                           warmup_updates):

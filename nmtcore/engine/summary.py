@@ -7,10 +7,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# The relative fall of the validation loss below its lowest so far that counts as a gain: for the loss guard
-# (``train.loss_guard``, nmtcore.engine.stopping) and for reports that ask whether a run still improved when it stopped.
-LOSS_GAIN = 0.002
-
 
 @dataclass
 class FitResult:
@@ -93,12 +89,3 @@ class RunSummary:
         """Plain data (JSON-ready), the fit's fields at the top level."""
         d = asdict(self)
         return {**d.pop("fit"), **d}
-
-
-def still_improving(valid_losses: list[float], tolerance: float = LOSS_GAIN) -> bool:
-    """Whether a run's validation loss was still falling at its last epoch: the last epoch is the best and
-    beat every earlier epoch by more than ``tolerance`` (relative). A run so flagged stopped before it
-    converged; a report says so instead of comparing it silently."""
-    if len(valid_losses) < 2:
-        return len(valid_losses) == 1
-    return valid_losses[-1] < min(valid_losses[:-1]) * (1.0 - tolerance)

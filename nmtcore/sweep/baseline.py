@@ -33,8 +33,7 @@ from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint, save_checkpoi
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import prepare_data
 from nmtcore.engine import Callback, RunSummary, Trainer, run_experiment
-from nmtcore.engine.stopping import PATIENCE, StopRule, replay
-from nmtcore.engine.summary import still_improving
+from nmtcore.engine.stopping import PATIENCE, StopRule, loss_still_falling, replay
 from nmtcore.files import atomic_write_text, file_lock
 from nmtcore.sweep.lifecycle import ROLE_TAG
 from nmtcore.sweep.settings import SweepError
@@ -222,7 +221,7 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
         meta = {"format": BASELINE_FORMAT, "key": key, "config": cfg.to_dict(), "weight_config": weight_config(cfg),
                 "data": dict(data.checksums), "code": code_digest(), "fit": summary.to_dict(),
                 "valid_losses": history, "converged": summary.fit.converged,
-                "still_improving": still_improving(history),
+                "still_improving": loss_still_falling(history, [], 0),
                 "test": {k: {"bleu": v.bleu, "chrf": v.chrf} for k, v in summary.test.items()},
                 "wall_s": time.perf_counter() - t0, "mlflow_run_id": tracker.run_id,
                 "tracking_uri": tracker.tracking_uri, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}

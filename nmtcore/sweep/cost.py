@@ -207,9 +207,9 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None)
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
 
-    flat = cfg.flat()
+    flat, defaults = cfg.flat(), ExperimentConfig().flat()
     same = ("model.name", "data.train_split", "data.valid_split", "train.stop_metric", "train.patience",
-            "train.min_delta", "train.max_epochs")
+            "train.min_delta", "train.loss_guard", "train.max_epochs")
     query = " and ".join([f"tags.`{ROLE_TAG}` = '{role}'", f"tags.`{STOPPED_BY_TAG}` = 'patience'",
                           "attributes.status = 'FINISHED'"])
     try:
@@ -217,8 +217,8 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None)
     except tracking.TrackingError:
         return []
     return [int(r.metrics["epoch"]) for r in runs
-            if "epoch" in r.metrics and all(r.params.get(k) == str(flat[k]) for k in same)
-            and r.params.get("train.loss_guard", "False") == str(flat["train.loss_guard"])]  # older runs: no guard
+            # a setting a run did not log did not exist yet: it ran as the setting's default
+            if "epoch" in r.metrics and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)]
 
 
 # ---------------------------------------------------------------------------------------------- measuring

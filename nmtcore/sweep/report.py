@@ -14,8 +14,9 @@ p-value from a paired bootstrap (Koehn 2004; sacreBLEU statistics, 1000 resample
 the seeds both completed, pooled, and with two or more seeds a paired t-test across seeds; then the
 budget each arm had (epochs, updates, wall time), which rule stopped its runs (``patience``: converged;
 ``cap``: the epoch or update cap with the rule on; ``schedule``: a fixed budget) and ``converged`` = every run
-stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in which any run — or the baseline the arms warm-started from — did not
-converge opens with one line saying its Δs are not an answer. Below the tables, how each arm used BERT
+stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in
+which any run — or the baseline the arms warm-started from — did not converge opens with one line saying its
+Δs are not an answer. Below the tables, how each arm used BERT
 (:mod:`nmtcore.diagnostics`), and ``valid_curves.png``: every run's validation BLEU per epoch on one plot.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test

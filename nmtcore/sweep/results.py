@@ -70,16 +70,9 @@ class Group:
     cpu_s: list[float] = field(default_factory=list)
     parameters: float | None = None
     tokens_per_s: float | None = None
-    still_improving: int = 0  # completed runs whose validation loss was still falling or BLEU still rising at the end
     stopped_by: list[str] = field(default_factory=list)  # per completed run: patience, cap, schedule (or unrecorded)
-    improving_at_stop: list[bool] = field(default_factory=list)  # per completed run: still_improving at its end
-
-    @property
-    def converged(self) -> bool:
-        """Every completed run stopped by the patience rule and none was still improving when it did (a patience
-        rule on a noisy metric can fire while the loss still falls; such a run has not converged)."""
-        return bool(self.stopped_by) and all(rule == PATIENCE and not improving
-                                             for rule, improving in zip(self.stopped_by, self.improving_at_stop))
+    # per completed run: its validation loss still falling or its BLEU still rising at its last epoch
+    improving_at_stop: list[bool] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)  # nmtcore.diagnostics figure → per run
     curves: list[tuple[str, dict[str, list[float]]]] = field(default_factory=list)  # per completed run: seed, curves
     status: dict[str, int] = field(default_factory=dict)
@@ -91,6 +84,18 @@ class Group:
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
+
+    @property
+    def still_improving(self) -> int:
+        """How many completed runs were still improving when they stopped."""
+        return sum(self.improving_at_stop)
+
+    @property
+    def converged(self) -> bool:
+        """Every completed run stopped by the patience rule and none was still improving when it did (a patience
+        rule on a noisy metric can fire while the loss still falls; such a run has not converged)."""
+        return bool(self.stopped_by) and all(rule == PATIENCE and not improving
+                                             for rule, improving in zip(self.stopped_by, self.improving_at_stop))
 
 
 @dataclass
@@ -255,10 +260,8 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
         warmup = int(float(r.params.get("train.warmup_updates", 0) or 0))
-        improving = loss_still_falling(history, curve.get("num_updates", []), warmup) or bleu_still_rising(
-            curve.get("valid_bleu", []))
-        g.still_improving += improving
-        g.improving_at_stop.append(improving)
+        g.improving_at_stop.append(loss_still_falling(history, curve.get("num_updates", []), warmup)
+                                   or bleu_still_rising(curve.get("valid_bleu", [])))
         g.stopped_by.append(r.tags.get(STOPPED_BY_TAG, "unrecorded"))
         g.curves.append((seed, curve))
         for name, value in r.metrics.items():
