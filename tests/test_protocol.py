@@ -4,6 +4,8 @@ BERT arm only in the BERT keys; warm starts that cannot work are refused up fron
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -309,6 +311,26 @@ def test_a_baseline_is_adopted_under_a_changed_stopping_rule_only_if_its_epochs_
     [record] = store._adoptions(root / old.key)
     assert record["key"] == new_key and "stopping rule changed (train.patience: 0 -> 2)" in record["reason"]
     assert store.ensure_baseline(patient, root, tracking_uri=uri, progress=lambda line: None).key == new_key
+
+    # The code changes again: the key adopted under the new rule is adopted in turn (its own hash covered a config
+    # no record keeps, so the directory that trained is what is checked against the data).
+    monkeypatch.setattr(store, "code_digest", lambda: "the newest code")
+    with monkeypatch.context() as m:
+        m.setattr(store, "load_checkpoint", lambda path: {"train_state": {"history": falling}})
+        newest = store.adopt_baseline(patient, new_key, root, tracking_uri=uri)
+        # ... and refused on other data: one training sentence changed
+        shutil.copytree(cfg.data.data_dir, tmp_path / "other")
+        train = tmp_path / "other" / "train.yy"
+        first, rest = train.read_text(encoding="utf-8").split("\n", 1)
+        train.write_text(first + " changed\n" + rest, encoding="utf-8")
+        other = patient.with_overrides({"data.data_dir": str(tmp_path / "other"),
+                                        "data.cache_dir": str(tmp_path / "other-cache")})
+        with monkeypatch.context() as m2:
+            m2.setattr(store, "code_digest", lambda: "code after that")
+            with pytest.raises(store.AdoptError, match="trained on other data"):
+                store.adopt_baseline(other, newest, root, tracking_uri=uri)
+    assert (root / newest).resolve() == (root / old.key).resolve()
+    assert store.ensure_baseline(patient, root, tracking_uri=uri, progress=lambda line: None).key == newest
 
 
 def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(tmp_path, monkeypatch):

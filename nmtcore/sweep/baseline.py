@@ -296,8 +296,9 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
                             f"{mine['weight_config'][k]!r}" for k in diff)
         reason = "; ".join(x for x in (reason, f"stopping rule changed ({changed}); its recorded epochs replayed "
                                                "under the new rule stop where it stopped") if x)
-    codes = [record.get("code")] + [a.get("code") for a in _adoptions(old_dir) if a.get("key") == old_key]
-    if not any(_hash_key(theirs, cfg, data.checksums, code) == old_key for code in codes):
+    # The directory that trained is checked, not a link's key: a link made under a changed stopping rule hashed
+    # the config of its day, which no record keeps; the link itself was checked when it was made.
+    if _hash_key(theirs, cfg, data.checksums, record.get("code")) != origin:
         raise AdoptError(f"baseline {old_key[:12]} trained on other data or under another key format: not adoptable")
     (root / new_key).symlink_to(origin, target_is_directory=True)
     with open(old_dir / ADOPTIONS_FILE, "a", encoding="utf-8") as f:
