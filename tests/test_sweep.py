@@ -163,6 +163,49 @@ def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
     assert lines[-1] == "train baseline x: done in 5.7 min"
 
 
+# ------------------------------------------------------------------------------- the work before the trials
+@pytest.mark.parametrize("stored", [False, True], ids=["baseline-to-train", "baseline-stored"])
+def test_a_baseline_still_to_train_starts_before_the_bert_features_and_a_stored_one_after(tmp_path, monkeypatch,
+                                                                                        stored):
+    """The order of the tasks before the trials. A baseline to train reads no BERT: it trains once the data is
+    prepared, the BERTs made (without their quality figures) and the estimate printed, and the quality figures
+    and feature caches follow it (a fresh machine's first update within minutes). With the baseline stored, the
+    shared work comes first, then the estimate with what it took, then the baseline's reuse."""
+    from search_spaces.protocols import WARM_START
+
+    from nmtcore.sweep import pre_sweep
+    from nmtcore.sweep.memory import BertFootprint
+
+    done: list[str] = []
+    monkeypatch.setattr(pre_sweep, "prepare_data_task", lambda data: done.append("data") or {"vocab": "v"})
+    monkeypatch.setattr(pre_sweep, "data_checksums", lambda data: {"vocab": "v"})
+    monkeypatch.setattr(pre_sweep, "baseline_stored", lambda cfg, root=None: stored)
+    monkeypatch.setattr(pre_sweep, "ensure_bert_task", lambda cfg, what, quality=True: done.append(
+        f"bert {what}{' + quality' if quality else ''}") or (cfg, BertFootprint(1, 6, 384, 1536)))
+    monkeypatch.setattr(pre_sweep, "bert_features_task", lambda cfg, what, shallower=(): done.append(
+        f"features {what}") or True)
+    monkeypatch.setattr(pre_sweep, "ensure_baseline_task", lambda cfg, root=None, env=None, **kw: done.append(
+        f"baseline {cfg.model.name}") or "made")
+    shared: list[object] = []
+    monkeypatch.setattr(driver, "_estimate", lambda space, base, settings, baseline, t0: shared.append(t0)
+                        or done.append("estimate") or "estimated")
+    base = tiny_base(tmp_path, **{"model.bert.name": "minilm"})
+    space = SearchSpace("t", "v", "bert_fused", arms={"a": {"model.p_net": 1.0}}, protocol=WARM_START)
+    settings = dataclasses.replace(tiny_settings(tmp_path, "order", f"sqlite:///{tmp_path / 'm.db'}"), estimate=True)
+    _, _, estimated, made = driver.before_trials(space, base, settings, None, True, {}, 0.0)
+    assert (estimated, made) == ("estimated", "made")
+    if stored:
+        assert done == ["data", "bert minilm + quality", "features minilm", "estimate", "baseline transformer"]
+        assert shared == [0.0]  # the shared work is done: the estimate counts what it took
+    else:
+        assert done == ["data", "bert minilm", "estimate", "baseline transformer", "bert minilm + quality",
+                        "features minilm"]
+        assert shared == [None]  # the features are still to come: the estimate times them
+    done.clear()
+    driver.before_trials(space, base, settings, None, False, {}, 0.0)  # a resumed sweep: no baseline, no estimate
+    assert done == ["data", "bert minilm + quality", "features minilm"]
+
+
 # ------------------------------------------------------------------------------- sweeps on Ray
 def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, store, tmp_path, capsys):
     space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64, 48))})

@@ -90,8 +90,9 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     """Run (or with ``settings.resume`` continue) a sweep and write its report.
 
     With a protocol (:class:`~nmtcore.sweep.space.Protocol`) that warm-starts, the shared baseline is made
-    sure of first (trained once, or reused: :func:`~nmtcore.sweep.baseline.ensure_baseline`) and every arm
-    and the control start from it; the control arm runs with the arms.
+    sure of before the trials (trained once, or reused: :func:`~nmtcore.sweep.baseline.ensure_baseline`) and
+    every arm and the control start from it; the control arm runs with the arms (the order of the work before
+    the trials: :func:`before_trials`).
 
     Args:
         space: what to vary; its ``model`` (if any) is set on ``base`` (keeping the base's sizes).
@@ -122,13 +123,9 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         if settings.address:
             ray_backend.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
-        data, footprints = prepare_shared(base, space)
-        estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and state is None else None
-        made = None
-        if state is None and space.protocol is not None and space.protocol.warm_start:
-            made = pre_sweep.ensure_baseline_task(baseline or baseline_config(space, base), settings.baseline_store,
-                                                    env=worker_env, tracking_uri=settings.tracking_uri,
-                                                    used_by=settings.name)
+        data, footprints, estimated, made = before_trials(space, base, settings, baseline, state is None,
+                                                          worker_env, t0)
+        if made is not None:
             base = base.with_overrides({"train.init_from": str(made.path)})
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
         ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env)
@@ -167,13 +164,43 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
     return None, space, base, settings
 
 
+def before_trials(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
+                  baseline: ExperimentConfig | None, new: bool, env: Mapping[str, str], t0: float,
+                  ) -> tuple[dict[str, str], dict[str, BertFootprint], cost.Estimate | None, Any]:
+    """The work before a sweep's trials, as pre-sweep tasks: the data, what the trials share
+    (:func:`prepare_shared`), the cost estimate (a ``new`` sweep's, with ``settings.estimate``) and, for a
+    protocol that warm-starts, the shared baseline (a ``new`` sweep's: a resumed one has its trials' own
+    checkpoints). A baseline still to train trains as soon as the BERTs are made and the estimate is printed:
+    it reads no BERT, so the BERTs' quality figures and feature caches wait for it instead of it for them.
+    Returns the data checksums, the BERTs' footprints, the estimate and the baseline (None: none)."""
+    pre_sweep.prepare_data_task(base.data)  # fails fast on missing data; the later steps reuse its checksums
+    warm = new and space.protocol is not None and space.protocol.warm_start
+    bcfg = (baseline or baseline_config(space, base)) if warm else None
+    if bcfg is not None and not pre_sweep.baseline_stored(bcfg, settings.baseline_store):
+        make_berts(base, space)  # one that cannot be made fails here, before hours of baseline
+        estimated = _estimate(space, base, settings, baseline, None) if settings.estimate else None
+        made = _baseline(bcfg, settings, env)
+        data, footprints = prepare_shared(base, space)
+        return data, footprints, estimated, made
+    data, footprints = prepare_shared(base, space)
+    estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and new else None
+    return data, footprints, estimated, None if bcfg is None else _baseline(bcfg, settings, env)
+
+
+def _baseline(cfg: ExperimentConfig, settings: SweepSettings, env: Mapping[str, str]) -> Any:
+    """The shared baseline, trained or reused (:func:`~nmtcore.sweep.pre_sweep.ensure_baseline_task`)."""
+    return pre_sweep.ensure_baseline_task(cfg, settings.baseline_store, env=env, tracking_uri=settings.tracking_uri,
+                                          used_by=settings.name)
+
+
 def _estimate(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
-              baseline: ExperimentConfig | None, t0: float) -> cost.Estimate | None:
+              baseline: ExperimentConfig | None, t0: float | None) -> cost.Estimate | None:
     """What the baseline and the trials will cost here (:func:`nmtcore.sweep.cost.dry_run`), printed; None if it
-    could not be measured (an estimate is advice: the sweep goes on)."""
+    could not be measured (an estimate is advice: the sweep goes on). ``t0``: when the sweep started, its shared
+    work done since; None: the shared work is still to come (the features' builds are timed and counted)."""
     try:
         estimated = cost.dry_run(space, base, settings, baseline=baseline, progress=lambda line: None,
-                                 shared_s=time.perf_counter() - t0)
+                                 shared_s=None if t0 is None else time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - the sweep itself is not at stake
         logging.getLogger("nmtcore.sweep").warning("no cost estimate: %s: %s", type(e).__name__, e)
         return None
@@ -318,17 +345,16 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
 
 def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str, str], dict[str, BertFootprint]]:
     """Prepare once, before the trials, what parallel trials would otherwise each make, each as a named Ray
-    task on the driver's node (the dashboard lists them; the console shows their progress): the data ("prepare
-    data ...": fails fast on missing data; the vocabulary is cached), every distinct BERT of the grid
+    task on the driver's node (the dashboard lists them; the console shows their progress): the data's checksums
+    (prepared by the sweep's first task, "prepare data ..."), every distinct BERT of the grid
     ("prepare BERT ...": downloaded, or made here when the hub is unreachable, :func:`nmtcore.bert.ensure_bert`)
     and, for a frozen BERT, the feature cache its trials read ("prepare BERT features ...").
     Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
-    checksums = pre_sweep.prepare_data_task(base.data)
+    checksums = pre_sweep.data_checksums(base.data)
     footprints: dict[str, BertFootprint] = {}
     cached: list[tuple[int, str, ExperimentConfig]] = []  # the frozen BERTs whose features the trials read
     for cfg in distinct_berts(space, base):
-        b = cfg.model.bert
-        what = (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
+        what = _bert_name(cfg)
         made, footprint = pre_sweep.ensure_bert_task(cfg, what)
         footprints[bert_key(cfg)] = footprint
         b = made.model.bert
@@ -339,6 +365,19 @@ def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str
     for i, (_, what, made) in enumerate(cached):
         pre_sweep.bert_features_task(made, what, shallower=[c for _, _, c in cached[i + 1:]])
     return checksums, footprints
+
+
+def make_berts(base: ExperimentConfig, space: SearchSpace) -> None:
+    """Make every distinct BERT of the grid ("prepare BERT ..." tasks), without their quality figures or
+    feature caches (:func:`prepare_shared` adds those): what the cost estimate's probes need."""
+    for cfg in distinct_berts(space, base):
+        pre_sweep.ensure_bert_task(cfg, _bert_name(cfg), quality=False)
+
+
+def _bert_name(cfg: ExperimentConfig) -> str:
+    """A BERT as the console names it: its name (a directory's last part), or ``L<layers>-H<hidden>``."""
+    b = cfg.model.bert
+    return (Path(b.name).name if Path(b.name).is_dir() else b.name) if b.name else f"L{b.layers}-H{b.hidden}"
 
 
 def trial_memory_bytes(space: SearchSpace, base: ExperimentConfig, footprints: Mapping[str, BertFootprint]) -> int:

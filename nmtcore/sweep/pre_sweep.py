@@ -49,17 +49,22 @@ def prepare_data_task(data: DataConfig) -> dict[str, str]:
     return checksums
 
 
-def ensure_bert_task(cfg: ExperimentConfig, what: str) -> tuple[ExperimentConfig, BertFootprint]:
+def data_checksums(data: DataConfig) -> dict[str, str]:
+    """The checksums of a data section this process's sweeps prepared already, or :func:`prepare_data_task`'s."""
+    return _DATA_CHECKSUMS.get(_data_key(data)) or prepare_data_task(data)
+
+
+def ensure_bert_task(cfg: ExperimentConfig, what: str, quality: bool = True) -> tuple[ExperimentConfig, BertFootprint]:
     """:func:`nmtcore.bert.ensure_bert` as the task "prepare BERT <what>" (made here if nothing answers:
-    minutes, with its steps on the console), with its quality figure measured once (cached) so every trial
-    using it reports what its BERT knows. Returns the config and the BERT's footprint (weights and shape,
-    for the trials' memory estimates)."""
-    return run_pre_sweep_task(f"prepare BERT {what}", _ensure_bert_footprint, cfg, progress_kw="progress")
+    minutes, with its steps on the console), with (``quality``) its quality figure measured once (cached) so
+    every trial using it reports what its BERT knows. Returns the config and the BERT's footprint (weights and
+    shape, for the trials' memory estimates)."""
+    return run_pre_sweep_task(f"prepare BERT {what}", _ensure_bert_footprint, cfg, quality, progress_kw="progress")
 
 
-def _ensure_bert_footprint(cfg: ExperimentConfig,
+def _ensure_bert_footprint(cfg: ExperimentConfig, quality: bool = True,
                            progress: Callable[[str], None] | None = None) -> tuple[ExperimentConfig, BertFootprint]:
-    made, resolved = ensure_bert_resolved(cfg, progress=progress, quality=True)
+    made, resolved = ensure_bert_resolved(cfg, progress=progress, quality=quality)
     assert resolved is not None  # distinct_berts hands over BERT-consuming configs only
     return made, BertFootprint.of_directory(resolved.path)
 
@@ -112,13 +117,20 @@ def bert_stream_layer(cfg: ExperimentConfig, data: PreparedData, use_cache: bool
     return prepare_bert_inputs(model, data, stream_only=not use_cache)
 
 
+def baseline_stored(cfg: ExperimentConfig, root: str | Path | None = None) -> bool:
+    """Whether the baseline ``cfg`` trains is in the store, finished (the data is prepared first, if this
+    process has not)."""
+    checksums = data_checksums(cfg.data)
+    return find_baseline(Path(root) if root is not None else default_root(cfg), baseline_key(cfg, checksums)) \
+        is not None
+
+
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, env: Mapping[str, str] | None = None,
                          **kwargs: Any) -> Baseline:
     """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
     ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one, with ``env``
     added to the task process's environment (as the trials': the allocator's preload)."""
-    checksums = _DATA_CHECKSUMS.get(_data_key(cfg.data)) or prepare_data_task(cfg.data)
-    key = baseline_key(cfg, checksums)
+    key = baseline_key(cfg, data_checksums(cfg.data))
     found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
     gpus = driver_node_gpus()
     return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
