@@ -6,8 +6,9 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
 
 - ``peer``: the peer script (``UPDATES`` = ``--thr-updates``; ``QUALITY_UPDATES`` = 500 with ``--quality``,
   else 0: throughput only). Skipped with ``--peer-log`` (an earlier run's output, to reuse).
-- ``vs_fairseq``: the same model trained on the same batches (``bench/vs_fairseq.py``, ``precision=auto``), its
-  ratios to the peer: training tokens/s, and with ``--quality`` BLEU after 500 updates and beam-5 / greedy
+- ``vs_fairseq``: the same model trained on the same batches (``bench/vs_fairseq.py``, ``precision=auto``, and
+  fp32 beside it on a bf16 host: ``--precisions``), its ratios to the peer: training tokens/s and the most the
+  model's matmul work allows at the machine's peak rate (``train_bound_tok_per_s``), and with ``--quality`` BLEU after 500 updates and beam-5 / greedy
   sentences/s.
 - ``bert_cache``: each BERT-consuming model's cached updates against the baseline's, in one process, alternating
   blocks of 5 updates on the same batches (``--cache-rounds`` blocks each way).
@@ -68,6 +69,15 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def default_precisions() -> str:
+    """``auto``, plus ``fp32`` where this host's ``auto`` is bf16."""
+    import torch
+
+    from nmtcore.devices import autocast_dtype
+
+    return "auto,fp32" if autocast_dtype("auto", torch.device("cpu")) is not None else "auto"
+
+
 def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each step's command line and its extra environment."""
     py, data = sys.executable, args.data_dir
@@ -78,7 +88,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
                  {"UPDATES": str(args.thr_updates), "QUALITY_UPDATES": "500" if args.quality else "0",
                   "THREADS": str(args.threads)}),
         "vs_fairseq": ([py, str(BENCH / "vs_fairseq.py"), "--data-dir", data, "--thr-updates", str(args.thr_updates),
-                        "--peer-log", peer_log, *quality], {}),
+                        "--peer-log", peer_log, "--precisions", args.precisions, *quality], {}),
         "bert_cache": ([py, str(BENCH / "bert_cache.py"), "--data-dir", data, "--model", "all", "--threads",
                         str(args.threads), "--block", "5", "--rounds", str(args.cache_rounds)], {}),
         "decode_speed": ([py, str(BENCH / "decode_speed.py"), "--data-dir", data, "--threads", str(args.threads),
@@ -163,6 +173,9 @@ def main() -> int:
     p.add_argument("--quality", action="store_true",
                    help="also the 500-update runs that translate (BLEU, decoding vs fairseq): ~45 more minutes")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precisions", default=default_precisions(),
+                   help="vs_fairseq's precisions (default: auto, and fp32 beside it where auto is bf16: the fp32 "
+                        "figure is what an AVX2-only host trains at)")
     p.add_argument("--thr-updates", type=int, default=100)
     p.add_argument("--cache-rounds", type=int, default=8, help="bert_cache: blocks of 5 updates each way")
     p.add_argument("--decode-sentences", type=int, default=500)

@@ -8,7 +8,8 @@ process that loads the checkpoint, as ``fairseq-generate`` does, printing one ma
 prints nmtcore/fairseq ratios. Each decode also counts its matrix-multiply work (a second, untimed pass) and
 prints the speed that work allows at the machine's peak matmul rate (``bound_sent_per_s``): no implementation
 of the same model, beam and output passes it here, so ``beam5_bound_sent_per_s`` says how far a decoding ratio
-against fairseq can go at all. Then (``--decode-rounds``, default 3) both decoders run again in fresh processes,
+against fairseq can go at all; the throughput run does the same for training (``bound_tgt_tok_per_s``, and the
+ratio ``train_bound_tok_per_s``). Then (``--decode-rounds``, default 3) both decoders run again in fresh processes,
 one after the other with the order flipping each round, fairseq on the peer's own quality checkpoint: the decoding
 ratio measured under one machine state (:func:`interleaved_decoding`). Run it alone on the machine, not next to
 the peer.
@@ -74,8 +75,26 @@ def train_run(args, name, lr, warmup, updates, precision, data):
            "tgt_tok_per_update": round(tokens / trainer.state.num_updates),
            "train_tgt_tok_per_s": round(tokens / train_wall), "valid_loss": round(hist[-1]["valid_loss"], 3),
            "valid_nll": round(hist[-1]["valid_nll"], 3)}
+    if name == "thr":
+        fig.update(train_bound(trainer, precision))
     print(f"nmtcore {name}[{precision}]: " + " ".join(f"{k}={v}" for k, v in fig.items()), flush=True)
     return fig, trainer
+
+
+def train_bound(trainer, precision: str, steps: int = 3) -> dict:
+    """The matrix-multiply work of a training update (forward, backward; counted over ``steps`` more updates of
+    the run's own batches, after its figures were taken) at the machine's peak matmul rate: the target tokens/s
+    no implementation of this model and these batches could pass here, however little else a step did
+    (``bound_tgt_tok_per_s``). Against fairseq's measured speed it is how far a training ratio can go at all."""
+    batches = [b for _, b in zip(range(steps), trainer.train_batches(epoch=1))]
+    tokens = sum(b.n_tgt_tokens for b in batches)
+    with FlopCounterMode(display=False) as counter:
+        for b in batches:
+            trainer.train_step([b])
+    gflop = counter.get_total_flops() / 1e9
+    peak = peak_matmul_gflops(autocast_dtype(precision, trainer.device) or torch.float32)
+    return {"matmul_gflop_per_ktok": round(gflop / tokens * 1000, 2), "peak_gflops": round(peak),
+            "bound_tgt_tok_per_s": round(tokens * peak / gflop)}
 
 
 def decode_run(args, trainer, name, beam, precision, data):
@@ -232,6 +251,8 @@ def main() -> int:
             ratios = {}
             if "thr" in r and "thr" in peer:
                 ratios["train_tok_per_s_thr"] = r["thr"]["train_tgt_tok_per_s"] / float(peer["thr"]["train_tgt_tok_per_s"])
+                # our model's matmul work at the peak rate against fairseq's measured speed: the most any ratio could be
+                ratios["train_bound_tok_per_s"] = r["thr"]["bound_tgt_tok_per_s"] / float(peer["thr"]["train_tgt_tok_per_s"])
             if "qual" in peer and "qual" in r:
                 q = peer["qual"]
                 ratios["train_tok_per_s_qual"] = r["qual"]["train_tgt_tok_per_s"] / float(q["train_tgt_tok_per_s"])
