@@ -205,3 +205,31 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
     epochs, why = expected_epochs(guarded, "baseline", uri)
     assert epochs == 16 and "measured without train.loss_guard" in why and "a lower bound" in why
     assert expected_epochs(arm.with_overrides({"train.loss_guard": True}), "trial", uri)[0] == 12.0
+
+
+def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch):
+    """A grid over BERT sizes names each BERT by layers and hidden; made, it is named by what it resolved to
+    (the packaged MiniLM's bottom layers). Its probe is found again by the run as planned: one probe per cell and
+    the baseline's, not a second one per cell under the resolved name (the main job's estimate probed every BERT
+    arm twice: half its 4 minutes before the first baseline update)."""
+    import nmtcore.sweep.cost as cost
+    from nmtcore.sweep.settings import SweepSettings
+    from nmtcore.sweep.space import Protocol, SearchSpace, grid
+
+    probed: list[str] = []
+    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    monkeypatch.setattr(cost, "probe", lambda cfg, data, threads: probed.append(
+        f"{cfg.model.name} L{cfg.model.bert.layers}" if cfg.model.bert.enabled else cfg.model.name) or speed)
+    # (no model.bert.pretrain_corpus: made, the BERT names the corpus it would be pretrained on, as the main
+    # job's does)
+    base = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.hidden": 384,
+                                        "model.bert.layers": 1, "train.valid_bleu": True})
+    space = SearchSpace("t", "t", "bert_fused", params={"model.bert.layers": grid((1, 2))},
+                        protocol=Protocol(), metric="valid_loss", mode="min")
+    est = cost.dry_run(space, base, SweepSettings(name="t", storage=str(tmp_path / "sweeps"),
+                                                  tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+                                                  baseline_store=str(tmp_path / "baselines")),
+                       progress=lambda _: None, shared_s=0.0)
+    assert sorted(probed) == ["bert_fused L1", "bert_fused L2", "transformer", "transformer"], probed  # + baseline
+    trials = next(p for p in est.phases if p.name == "trials")
+    assert "3 trials" in trials.detail, trials.detail

@@ -385,7 +385,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         runs += [(f"sample {i + 1}", base.with_overrides(space.overrides(point))) for i in range(n)]
 
     shared: list[tuple[str, float]] = []
-    made: dict[str, ExperimentConfig] = {}  # shape -> the config with its BERT resolved
+    # by the shape of the run as planned (its BERT as the space names it, e.g. layers/hidden, not as resolved: a
+    # run of the grid then finds the probe of its BERT's cell instead of probing it again)
     speeds: dict[str, Speed] = {}
     to_build: list[tuple[str, int, Any, Any]] = []  # features missing: (what, sentences, layer, train stream)
     for cfg in distinct_berts(space, base):
@@ -394,9 +395,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         ready = ensure_bert(cfg)
         missing, layer = missing_features(ready, data) if shared_s is None else (0, None)
         stream = data.train.bert  # this BERT's: the next one's missing_features replaces it
-        key = shape_key(ready)
         progress(f"dry run: probing {what} at {threads} thread(s)")
-        speeds[key], made[key] = probe(ready, data, threads), ready
+        speeds[shape_key(cfg)] = probe(ready, data, threads)
         if missing:
             to_build.append((what, missing, layer, stream))
     # As prepare_shared builds them: deepest first, its bottom truncations computed in the same pass.
@@ -418,7 +418,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         if key not in speeds:
             ready = ensure_bert(cfg)
             progress(f"dry run: probing {label} at {threads} thread(s)")
-            speeds[key], made[key] = probe(ready, data, threads), ready
+            speeds[key] = probe(ready, data, threads)
         epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri)
         costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
 
