@@ -19,6 +19,8 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
   what each further trial pays outside the trainer), ordered direct, sweep, sweep, direct (``--sweep-repeat 2``,
   the default): one pair alone read 9.3% where the same bench in that order right after read 1.3% (2026-11-29,
   ``results/bench/2026-11-29-all-short-rows/``), the drift of a 2-core machine over a pair's ~5 minutes.
+- ``first_run``: the main job on an empty cache until the shared baseline's first update
+  (``bench/first_run.py``: minutes from the command, and when each phase before it ended).
 
 Load: for each step, the 1-minute load average at its start and end, and ``others_cores``: the CPU the machine
 spent outside the step's own processes over the step's wall time, in cores (``/proc/stat`` busy time minus the
@@ -51,7 +53,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-STEPS = ("peer", "vs_fairseq", "bert_cache", "decode_speed", "finetune_memory", "sweep_overhead")
+STEPS = ("peer", "vs_fairseq", "bert_cache", "decode_speed", "finetune_memory", "sweep_overhead", "first_run")
 # The lines each bench prints with a figure against a bar (or the ratios the bar is read from).
 SUMMARY_LINE = re.compile(r"^(RESULT |ratio |peer=|ceiling |nmtcore (thr|qual)|nmtcore peak_rss)")
 
@@ -98,6 +100,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
         "sweep_overhead": ([py, str(BENCH / "sweep_overhead.py"), "--data-dir", data, "--threads", str(args.threads),
                             "--repeat", str(args.sweep_repeat), "--epochs", str(args.sweep_epochs),
                             "--max-updates", str(args.sweep_updates), "--out", str(out)], {}),
+        "first_run": ([py, str(BENCH / "first_run.py"), "--data-dir", data, "--work", str(out / "first_run")], {}),
     }
 
 
