@@ -210,8 +210,7 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
 def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch):
     """A grid over BERT sizes names each BERT by layers and hidden; made, it is named by what it resolved to
     (the packaged MiniLM's bottom layers). Its probe is found again by the run as planned: one probe per cell and
-    the baseline's, not a second one per cell under the resolved name (the main job's estimate probed every BERT
-    arm twice: half its 4 minutes before the first baseline update)."""
+    the baseline's, not a second one per cell under the resolved name."""
     import nmtcore.sweep.cost as cost
     from nmtcore.sweep.settings import SweepSettings
     from nmtcore.sweep.space import Protocol, SearchSpace, grid

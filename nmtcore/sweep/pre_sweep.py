@@ -117,12 +117,16 @@ def bert_stream_layer(cfg: ExperimentConfig, data: PreparedData, use_cache: bool
     return prepare_bert_inputs(model, data, stream_only=not use_cache)
 
 
+def _stored(cfg: ExperimentConfig, root: str | Path | None) -> tuple[str, Baseline | None]:
+    """The key of the baseline ``cfg`` trains and that baseline if it is in the store, finished (the data is
+    prepared first, if this process has not)."""
+    key = baseline_key(cfg, data_checksums(cfg.data))
+    return key, find_baseline(Path(root) if root is not None else default_root(cfg), key)
+
+
 def baseline_stored(cfg: ExperimentConfig, root: str | Path | None = None) -> bool:
-    """Whether the baseline ``cfg`` trains is in the store, finished (the data is prepared first, if this
-    process has not)."""
-    checksums = data_checksums(cfg.data)
-    return find_baseline(Path(root) if root is not None else default_root(cfg), baseline_key(cfg, checksums)) \
-        is not None
+    """Whether the baseline ``cfg`` trains is in the store, finished."""
+    return _stored(cfg, root)[1] is not None
 
 
 def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -130,8 +134,7 @@ def ensure_baseline_task(cfg: ExperimentConfig, root: str | Path | None = None, 
     """:func:`nmtcore.sweep.baseline.ensure_baseline` (same arguments) as the task "train baseline <key>"
     ("reuse baseline <key>" when it is in the store), on a GPU of the driver's node if it has one, with ``env``
     added to the task process's environment (as the trials': the allocator's preload)."""
-    key = baseline_key(cfg, data_checksums(cfg.data))
-    found = find_baseline(Path(root) if root is not None else default_root(cfg), key)
+    key, found = _stored(cfg, root)
     gpus = driver_node_gpus()
     return run_pre_sweep_task(f"{'reuse' if found else 'train'} baseline {key[:12]}", ensure_baseline, cfg, root,
                               gpus=1.0 if gpus >= 1 and found is None else 0.0, progress_kw="progress", env=env, **kwargs)
