@@ -26,7 +26,7 @@ control an average of its last epochs: set ``train.average_last=1`` with it (the
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import FROM_SCRATCH, MINILM, SCRATCH, SCRATCH_BUDGETS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "ablations"
 DEFAULTS = MINILM
@@ -76,6 +76,7 @@ SPACES = {
     # The paper's coordinator (12 layers; 6 in its En-De ablation) is a preset: --preset plm_sponsored_ablation_paper.
     "plm_sponsored_loss": SearchSpace(
         STUDY, "plm_sponsored_loss", "plm_sponsored", defaults=DEFAULTS, protocol=FROM_SCRATCH,
+        budget=SCRATCH, budgets=SCRATCH_BUDGETS,
         arms={
             arm: {"train.kd_alpha": 0.9 if kd else 1.0, "model.kd_teacher": kd, "model.kd_layer": layer,
                   "model.mlm_loss": mlm, "model.tgt_lm_loss": lt}

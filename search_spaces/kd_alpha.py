@@ -9,7 +9,7 @@ control, a Transformer without a teacher, must train without KD). The paper's ow
 """
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, uniform
-from search_spaces.protocols import FROM_SCRATCH, MINILM, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import FROM_SCRATCH, MINILM, SCRATCH, SCRATCH_BUDGETS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "kd_alpha"
 KEY = "train.kd_alpha"
@@ -33,11 +33,12 @@ SPACES = {
         description="baseline Transformer + KD from BERT, alpha ~ U[0, 0.95], Optuna TPE + ASHA"),
     "plm_sponsored": SearchSpace(
         STUDY, "plm_sponsored", "plm_sponsored", params={KEY: _PLM_GRID}, fixed=_PLM, protocol=FROM_SCRATCH,
-        defaults=DEFAULTS, plot=Curve(KEY), citation="PLM-sponsored NMT (seed 001), Eq. 5",
+        budget=SCRATCH, budgets=SCRATCH_BUDGETS, defaults=DEFAULTS, plot=Curve(KEY), citation="PLM-sponsored NMT (seed 001), Eq. 5",
         description="PLM-sponsored model, alpha in {0, 0.2, ..., 0.8, 0.9, 1}"),
     "plm_sponsored_optuna": SearchSpace(
         STUDY, "plm_sponsored_optuna", "plm_sponsored", params={KEY: uniform(0.0, 1.0)}, fixed=_PLM,
-        num_samples=12, early_stopping=True, protocol=FROM_SCRATCH, defaults=DEFAULTS, plot=Curve(KEY),
+        num_samples=12, early_stopping=True, protocol=FROM_SCRATCH, budget=SCRATCH, budgets=SCRATCH_BUDGETS,
+        defaults=DEFAULTS, plot=Curve(KEY),
         description="PLM-sponsored model, alpha ~ U[0, 1], Optuna TPE + ASHA"),
 }
 DEFAULT = "baseline_kd"

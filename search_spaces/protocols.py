@@ -17,6 +17,9 @@ baseline was trained with.
 
 ``quick`` is the earlier short stage, kept as a named budget (``--budget quick``): 3 epochs, a 100-update
 warm-up to 5e-4. It stops every arm before convergence; its reports say that their Δs are not an answer.
+
+Studies whose arms train from scratch (PLM-sponsored's) train to convergence by the same rule as the baseline
+(``SCRATCH``, cap 60 epochs); their ``quick`` budget is the earlier fixed 10 epochs.
 """
 
 from nmtcore.sweep.space import Protocol
@@ -34,6 +37,13 @@ BASELINE_BUDGET = {**CONVERGE, "train.max_epochs": 60}
 WARM_START = Protocol(baseline_budget=BASELINE_BUDGET)
 # Arms and control train from scratch with the same budget (BERT-JAM and PLM-sponsored do in their papers).
 FROM_SCRATCH = Protocol(warm_start=False)
+# A from-scratch study's arms and control, trained to convergence as the shared baseline is (same rule, same cap).
+# The PLM-sponsored paper trains a fixed 100k updates (~90 epochs of IWSLT'14): a schedule long enough to settle,
+# which patience stands in for on a smaller corpus. BERT-JAM keeps its own three-phase schedule.
+SCRATCH = dict(BASELINE_BUDGET)
+# The earlier from-scratch budget: the preset's fixed 10 epochs (~1.2k updates on Multi30k), not to convergence.
+QUICK_SCRATCH = {"train.max_epochs": 10}
+SCRATCH_BUDGETS = {"converged": SCRATCH, "quick": QUICK_SCRATCH}
 # The papers' second stage: the baseline's schedule restarted, trained to convergence.
 CONVERGED_STAGE = {**CONVERGE, "train.max_epochs": 40}
 # The earlier short stage: a fixed 3 epochs (~360 updates on Multi30k), not to convergence.

@@ -253,3 +253,19 @@ def test_warm_started_studies_train_to_convergence_by_default_and_keep_the_quick
     assert grid.with_budget("quick").budget == QUICK_STAGE and grid.with_budget("converged") is grid
     with pytest.raises(SpaceError, match="no budget 'slow' \\(budgets: converged, quick\\)"):
         grid.with_budget("slow")
+
+
+def test_from_scratch_studies_train_to_convergence_unless_they_run_a_phase_schedule():
+    """A from-scratch study's arms stop by the baseline's patience rule (PLM-sponsored's) unless the model trains
+    the paper's own phase schedule (BERT-JAM's); ``--budget quick`` is the earlier fixed 10 epochs."""
+    from search_spaces.protocols import BASELINE_BUDGET
+
+    scratch = [s for s in search_spaces.all_spaces() if s.protocol is not None and not s.protocol.warm_start]
+    assert {s.name for s in scratch} >= {"ablations:plm_sponsored_loss", "kd_alpha:plm_sponsored", "ablations:bert_jam"}
+    for space in scratch:
+        if "train.phase_scale" in space.budget:  # the paper's phases, each run to its end; the last by patience
+            assert space.budget.get("train.patience", 0) > 0, space.name
+            continue
+        assert space.budget == BASELINE_BUDGET and space.budget_name == "converged", space.name
+        quick = space.with_budget("quick")
+        assert quick.budget == {"train.max_epochs": 10} and not quick.budget.get("train.patience"), space.name
