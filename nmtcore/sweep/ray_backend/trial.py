@@ -189,12 +189,25 @@ class _RayReport(Callback):
     Order matters: Tune's status table shows the first four metrics of the first results, so every report
     starts with ``epoch`` and the sweep's ``metric``."""
 
-    def __init__(self, metric: str = "", in_actor: bool = False) -> None:
+    def __init__(self, metric: str = "", in_actor: bool = False, reported_epoch: int = 0) -> None:
         self.in_actor = in_actor
         self.cpu_s = 0.0
         self.metric = metric
+        self.reported_epoch = reported_epoch  # the newest epoch Ray holds a report (and checkpoint) of
         self.last_epoch: dict[str, float] = {}
         self._cpu0 = time.process_time()
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Report the epochs a resumed run holds that Ray never received: a trial stopped after an epoch's
+        checkpoint was written but before its report resumes past that epoch, whose result would otherwise be
+        missing from Tune's record (and its schedulers) for good. The newest goes with its checkpoint."""
+        missing = [m for m in trainer.state.history if int(m.get("epoch", 0)) > self.reported_epoch]
+        newest = epoch_checkpoints(trainer.save_dir)[-1:] if trainer.rank == 0 else []
+        for i, metrics in enumerate(missing):
+            epoch = int(metrics["epoch"])
+            last = i == len(missing) - 1 and newest and epoch_of(newest[0]) == epoch
+            self.on_epoch_end(trainer, epoch, metrics, newest[0] if last else None)
+        self.reported_epoch = max([self.reported_epoch, *(int(m["epoch"]) for m in missing)])
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float],
                      checkpoint: Path | None) -> None:
@@ -245,9 +258,9 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
         torch._dynamo.reset()
     node_ids = all_gather(ray.get_runtime_context().get_node_id())
-    _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"),
-                              tune.get_checkpoint() if in_actor else ray.train.get_checkpoint())
-    reporter = _RayReport(lc.metric, in_actor)
+    reported = _restore_train_checkpoint(Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints"),
+                                         tune.get_checkpoint() if in_actor else ray.train.get_checkpoint())
+    reporter = _RayReport(lc.metric, in_actor, reported_epoch=reported)
     callbacks: list[Callback] = [reporter]  # Ray first, then MLflow, then the caller's: an epoch is
     tracker: tracking.Tracker | None = None  # checkpointed and logged before user code can fail it
     if rank == 0:
@@ -298,18 +311,20 @@ def first_keys(metrics: Mapping[str, Any], epoch: float, metric: str) -> dict[st
     return out
 
 
-def _restore_train_checkpoint(save_dir: Path, ckpt: Any) -> None:
+def _restore_train_checkpoint(save_dir: Path, ckpt: Any) -> int:
     """Put the latest checkpoint Ray holds for the trial (Train's or Tune's: a retried trial's, possibly from
-    another node) into the trainer's checkpoint directory unless a checkpoint at least as new is already there."""
+    another node) into the trainer's checkpoint directory unless a checkpoint at least as new is already there.
+    Returns the epoch of Ray's checkpoint (0 = none): the newest epoch Ray has a report of."""
     if ckpt is None:
-        return
+        return 0
     with ckpt.as_directory() as d:
-        files = sorted(Path(d).glob("epoch*.pt"))
+        files = sorted(Path(d).glob("epoch*.pt"), key=epoch_of)
         if not files:
-            return
+            return 0
+        reported = max(epoch_of(files[-1]), 0)
         newest_local = epoch_checkpoints(save_dir)[-1:] if save_dir.exists() else []
         if newest_local and epoch_of(newest_local[0]) >= epoch_of(files[-1]):
-            return
+            return reported
         save_dir.mkdir(parents=True, exist_ok=True)
         for src in [files[-1], files[-1].with_name(files[-1].name + ".sha256")]:
             if src.exists():
@@ -317,6 +332,7 @@ def _restore_train_checkpoint(save_dir: Path, ckpt: Any) -> None:
                 shutil.copyfile(src, tmp)
                 os.replace(tmp, save_dir / src.name)
         log.info("restored %s from Ray Train checkpoint %s", files[-1].name, ckpt.path)
+    return reported
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

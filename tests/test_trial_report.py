@@ -1,0 +1,70 @@
+"""What a trial reports to Ray after a resume: the epochs it trained but never reported (stopped between an
+epoch's checkpoint and its report) are reported before training goes on, the newest with its checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray.train
+
+from nmtcore.sweep.ray_backend import trial as rb_trial
+
+
+def _epoch_file(d: Path, epoch: int) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"epoch{epoch}.pt"
+    path.write_bytes(f"weights of epoch {epoch}".encode())
+    path.with_name(path.name + ".sha256").write_text(f"checksum {epoch}\n")
+    return path
+
+
+def _history(epochs: int) -> list[dict[str, float]]:
+    return [{"epoch": float(e), "valid_bleu": 30.0 + e, "valid_loss": 5.0 - 0.1 * e} for e in range(1, epochs + 1)]
+
+
+def test_ray_s_checkpoint_names_the_newest_reported_epoch_by_number_not_by_name(tmp_path: Path) -> None:
+    """``epoch10.pt`` is newer than ``epoch9.pt`` (file names sort the other way); a newer local checkpoint is
+    kept, and the reported epoch is still Ray's."""
+    ray_dir = tmp_path / "ray"
+    _epoch_file(ray_dir, 9), _epoch_file(ray_dir, 10)
+    save_dir = tmp_path / "save"
+    assert rb_trial._restore_train_checkpoint(save_dir, ray.train.Checkpoint.from_directory(str(ray_dir))) == 10
+    assert sorted(p.name for p in save_dir.iterdir()) == ["epoch10.pt", "epoch10.pt.sha256"]
+
+    local = tmp_path / "local"
+    _epoch_file(local, 12)
+    only8 = tmp_path / "ray8"
+    _epoch_file(only8, 8)
+    assert rb_trial._restore_train_checkpoint(local, ray.train.Checkpoint.from_directory(str(only8))) == 8
+    assert sorted(p.name for p in local.glob("epoch*.pt")) == ["epoch12.pt"]
+    assert rb_trial._restore_train_checkpoint(local, None) == 0
+
+
+@pytest.mark.parametrize("reported, expected", [(8, [9]), (7, [8, 9]), (9, []), (0, list(range(1, 10)))])
+def test_a_resumed_trial_reports_the_epochs_ray_never_received(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                reported: int, expected: list[int]) -> None:
+    calls: list[tuple[dict, dict[str, bytes] | None]] = []
+
+    def tune_report(metrics, checkpoint=None):  # Tune copies the checkpoint's files before report returns
+        files = None if checkpoint is None else {p.name: p.read_bytes() for p in Path(checkpoint.path).iterdir()}
+        calls.append((metrics, files))
+
+    monkeypatch.setattr(rb_trial.tune, "report", tune_report)
+    save_dir = tmp_path / "checkpoints"
+    _epoch_file(save_dir, 8), _epoch_file(save_dir, 9)
+    trainer = SimpleNamespace(state=SimpleNamespace(history=_history(9)), save_dir=save_dir, rank=0)
+    report = rb_trial._RayReport("valid_bleu", in_actor=True, reported_epoch=reported)
+    report.on_train_start(trainer)
+
+    assert [m["epoch"] for m, _ in calls] == expected
+    assert all(list(m)[:2] == ["epoch", "valid_bleu"] and m["valid_bleu"] == 30.0 + m["epoch"] for m, _ in calls)
+    # only the newest goes with a checkpoint: the one a further resume restores
+    assert [c is not None for _, c in calls] == [e == 9 for e in expected]
+    if expected:
+        assert calls[-1][1] == {"epoch9.pt": b"weights of epoch 9", "epoch9.pt.sha256": b"checksum 9\n"}
+    assert report.reported_epoch == max(reported, 9)
+    calls.clear()
+    report.on_train_start(trainer)  # nothing twice
+    assert calls == []
