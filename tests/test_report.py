@@ -4,6 +4,7 @@ temporary store gives the control-first table, Δ / interval / p-values, the L x
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -388,3 +389,20 @@ def test_an_arm_that_writes_shorter_output_shows_its_length_and_brevity_penalty(
     precision = "1-4-gram precision (%)"
     assert rows["short"][precision] == rows["control"][precision] == "100.0/100.0/100.0/100.0"
     assert js["short"]["precisions_mean"] == pytest.approx([100.0] * 4)
+    # ... and the Δ split puts all of it on the length, nothing on the precisions.
+    delta = js["short"]["bleu_mean"] - js["control"]["bleu_mean"]
+    assert delta < -20 and js["short"]["delta_length"] == pytest.approx(delta) and js["short"]["delta_precision"] == 0
+    assert rows["short"]["Δ: length / precision"] == f"{delta:+.2f} / +0.00" and rows["control"]["Δ: length / precision"] == "—"
+    assert js["control"]["delta_length"] is None
+
+
+def test_the_delta_split_sums_to_the_difference_of_the_means():
+    """BLEU = BP · G: a longer output at lower precision shows both parts; together they are the whole Δ."""
+    ref_bleu, ref_bp, bleu, bp = 36.56, 0.965, 37.58, 0.995  # the MiniLM-L4 study's test_2016 rows
+    length, precision = report.length_and_precision(ref_bleu, ref_bp, bleu, bp)
+    assert length == pytest.approx((0.995 - 0.965) * 36.56 / 0.965) and length == pytest.approx(1.137, abs=1e-3)
+    assert precision == pytest.approx(0.995 * (37.58 / 0.995 - 36.56 / 0.965)) and precision < 0
+    assert length + precision == pytest.approx(bleu - ref_bleu)
+    assert report.length_and_precision(30.0, 1.0, 33.0, 1.0) == pytest.approx((0.0, 3.0))  # same length: precision
+    assert report.length_and_precision(30.0, math.nan, 33.0, 1.0) == (None, None)
+    assert report.length_and_precision(30.0, 0.0, 33.0, 1.0) == (None, None)

@@ -78,7 +78,23 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                 **{name: mean(g.extra.get(name, [])) for name in report.space.get("report_metrics") or []},
                 "phases": " | ".join(dict.fromkeys(g.phases)),
             })
+    for row in rows:
+        ref = next((r for r in rows if r["reference"] and r["test_set"] == row["test_set"]), None)
+        row["delta_length"], row["delta_precision"] = (None, None) if ref is None or row is ref else \
+            length_and_precision(ref["bleu_mean"], ref["bp_mean"], row["bleu_mean"], row["bp_mean"])
     return rows
+
+
+def length_and_precision(bleu_ref: float | None, bp_ref: float | None, bleu: float | None,
+                         bp: float | None) -> tuple[float | None, float | None]:
+    """The difference of two mean BLEU scores split in two parts that sum to it: what the brevity penalty
+    accounts for (the arm's penalty at the reference's n-gram precisions) and what the n-gram precisions do (at
+    the arm's penalty). BLEU = BP · G, G the geometric mean of the 1-4-gram precisions, so
+    BLEU − BLEU_ref = (BP − BP_ref) · G_ref + BP · (G − G_ref)."""
+    if any(v is None or math.isnan(v) for v in (bleu_ref, bp_ref, bleu, bp)) or not bp_ref or not bp:
+        return None, None
+    g_ref, g = bleu_ref / bp_ref, bleu / bp
+    return (bp - bp_ref) * g_ref, bp * (g - g_ref)
 
 
 def _mean_precisions(by_seed: dict[str, tuple[float, ...]]) -> list[float]:
@@ -103,6 +119,8 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]),
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
+            "Δ: length / precision": "—" if is_ref or row["delta_length"] is None else
+            f"{row['delta_length']:+.2f} / {row['delta_precision']:+.2f}",
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
             "p (seeds)": "ref" if is_ref else p_seeds,
             "epochs": _f(row["epochs"], 1),
@@ -127,7 +145,9 @@ def render_markdown(report: SweepReport) -> str:
     head = [f"### {report.sweep}: {report.space.get('description') or report.study}", "",
             f"Protocol: {report.protocol or 'not recorded'}. Reference row: `{ref}`. BLEU: sacreBLEU, detokenized, "
             "mean ± sd over seeds; `length`: the output's length over the references' and `BP` BLEU's brevity "
-            "penalty (a shorter output loses BLEU at equal n-gram precision), beside BLEU's 1-4-gram precisions. "
+            "penalty (a shorter output loses BLEU at equal n-gram precision), beside BLEU's 1-4-gram precisions; "
+            "`Δ: length / precision`: the difference of the mean BLEUs split into what the brevity penalty accounts "
+            "for (the arm's at the reference's precisions) and what the precisions do (at the arm's penalty). "
             "ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds pooled) against the "
             "reference; p (seeds): paired t-test across seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
