@@ -112,6 +112,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lengths(args: argparse.Namespace) -> int:
+    """``nmtcore lengths``: every arm of a finished sweep against its control at equal output length."""
+    from nmtcore import tracking
+    from nmtcore.sweep import lengths
+
+    try:
+        lenpens = tuple(float(x) for x in args.lenpens.split(","))
+    except ValueError:
+        raise ConfigError(f"--lenpens: a comma list of numbers, got {args.lenpens!r}") from None
+    if not lenpens or any(lp < 0 for lp in lenpens):
+        raise ConfigError(f"--lenpens: non-negative numbers, got {args.lenpens!r}")
+    text, files, rep = lengths.check_sweep(args.sweep, args.tracking_uri, lenpens, args.out, n_bootstrap=args.bootstrap)
+    print(text)
+    print("\n".join(f"wrote {f}" for f in files))
+    if not args.no_log:
+        tracking.log_run_artifacts(rep.parent_run_id, files, "report", rep.tracking_uri)
+        print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
+    return 0
+
+
 def cmd_bert_pretrain(args: argparse.Namespace) -> int:
     """``nmtcore bert-pretrain``: masked-LM pretraining of a BERT of any size on one side of a corpus, cached."""
     from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
@@ -218,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
     rp.add_argument("--no-log", action="store_true", help="do not attach the report to the parent run")
     rp.set_defaults(func=cmd_report)
+
+    ln = sub.add_parser("lengths", help="a finished sweep's arms against its control at equal output length: each "
+                                        "trial's tested weights decoded at the length penalty best on validation")
+    ln.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    ln.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    ln.add_argument("--lenpens", default="0.6,1.0,1.4,1.8,2.4", help="length penalties tried on validation")
+    ln.add_argument("--out", help="output folder (default: reports/<sweep>)")
+    ln.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples")
+    ln.add_argument("--no-log", action="store_true", help="do not attach the result to the parent run")
+    ln.set_defaults(func=cmd_lengths)
 
     bp = sub.add_parser("bert-pretrain", help="masked-LM pretraining of a BERT of any size L x H on one side of a "
                                               "corpus (cached; resolves as pretrained-here:L<L>-H<H>:<corpus>:<lang>)")
