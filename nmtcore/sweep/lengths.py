@@ -138,13 +138,17 @@ def render(sweep: str, lenpens: Sequence[float], trials: list[TrialDecodes], row
     return "\n".join(out) + "\n"
 
 
-def _translate(checkpoint: Path, lines: list[str], lenpen: float, _cache: dict[Path, Any] = {}) -> list[str]:
+_LOADED: dict[Path, Any] = {}  # the model being decoded (one in memory at a time)
+
+
+def _translate(checkpoint: Path, lines: list[str], lenpen: float) -> list[str]:
+    """Beam search with ``checkpoint``'s own decoding settings and ``lenpen``."""
     from nmtcore.decoding import load_translator
 
-    translator = _cache.get(checkpoint)
+    translator = _LOADED.get(checkpoint)
     if translator is None:
-        _cache.clear()  # one model in memory at a time
-        translator = _cache[checkpoint] = load_translator(checkpoint)
+        _LOADED.clear()
+        translator = _LOADED[checkpoint] = load_translator(checkpoint)
     translator.cfg = translator.cfg.with_overrides({"decode.lenpen": lenpen})
     return translator.translate(lines)
 
