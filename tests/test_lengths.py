@@ -85,3 +85,22 @@ def test_the_tested_weights_are_found_from_the_trial_s_run(tmp_path: Path, final
     (out / "checkpoints" / name).unlink()
     with pytest.raises(lengths.LengthCheckError, match=r"bert_fused\): its tested weights .* are not on this machine"):
         lengths.tested_checkpoint(run, uri)
+
+
+def test_the_command_refuses_bad_penalties_and_an_unknown_sweep_in_one_line(tmp_path: Path, capsys):
+    from nmtcore.cli.main import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["lengths", "--sweep", "s", "--tracking-uri", uri, "--lenpens", "1.0,long"]) == 2
+    assert "--lenpens: a comma list of numbers, got '1.0,long'" in capsys.readouterr().err
+    assert main(["lengths", "--sweep", "s", "--tracking-uri", uri, "--lenpens", "-1"]) == 2
+    assert "--lenpens: non-negative numbers" in capsys.readouterr().err
+    assert main(["lengths", "--sweep", "nowhere", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tracking store at" in err[0]
+    with tracking.Tracker(uri, experiment="sweeps", run_name="another"):
+        pass
+    capsys.readouterr()  # MLflow's own lines on creating the store
+    assert main(["lengths", "--sweep", "nowhere", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nowhere" in err[0]
