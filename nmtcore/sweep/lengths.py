@@ -141,14 +141,20 @@ def render(sweep: str, lenpens: Sequence[float], trials: list[TrialDecodes], row
 _LOADED: dict[Path, Any] = {}  # the model being decoded (one in memory at a time)
 
 
-def _translate(checkpoint: Path, lines: list[str], lenpen: float) -> list[str]:
-    """Beam search with ``checkpoint``'s own decoding settings and ``lenpen``."""
+def _translator(checkpoint: Path) -> Any:
+    """The checkpoint's model, vocabulary and config (its own, as it trained), loaded once."""
     from nmtcore.decoding import load_translator
 
     translator = _LOADED.get(checkpoint)
     if translator is None:
         _LOADED.clear()
         translator = _LOADED[checkpoint] = load_translator(checkpoint)
+    return translator
+
+
+def _translate(checkpoint: Path, lines: list[str], lenpen: float) -> list[str]:
+    """Beam search with ``checkpoint``'s own decoding settings and ``lenpen``."""
+    translator = _translator(checkpoint)
     translator.cfg = translator.cfg.with_overrides({"decode.lenpen": lenpen})
     return translator.translate(lines)
 
@@ -158,8 +164,6 @@ def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpe
                 translate: Callable[[Path, list[str], float], list[str]] = _translate) -> tuple[str, list[Path], Any]:
     """Run the check on a finished sweep; write ``lengths.md`` and ``lengths.json`` to ``out_dir``. Returns the
     Markdown, the files and the sweep's report (its parent run and store)."""
-    from nmtcore.checkpoint import load_checkpoint
-    from nmtcore.config import ExperimentConfig
     from nmtcore.data import load_split
 
     rep = results.build_report(sweep, tracking_uri, n_bootstrap=0)
@@ -169,7 +173,7 @@ def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpe
     if not runs:
         raise LengthCheckError(f"sweep {sweep}: no complete trial")
     checkpoints = [tested_checkpoint(run, rep.tracking_uri) for _, run in runs]
-    cfg = ExperimentConfig.from_dict(load_checkpoint(checkpoints[0])["config"])
+    cfg = _translator(checkpoints[0]).cfg  # where its data is: the trial's own config
     if any(r.params.get("model.context_integration", "none") not in ("none", "") for _, r in runs):
         raise LengthCheckError(f"sweep {sweep}: its models read document context; this check decodes sentence by sentence")
     valid = load_split(cfg.data, cfg.data.valid_split)
