@@ -179,6 +179,27 @@ def test_translator_builds_the_bert_stream_of_raw_input(tmp_path):
     assert translator.translate(src) == expected
 
 
+def test_translator_decodes_a_cached_input_from_the_features_its_run_decoded_from(tmp_path):
+    """With the feature cache on (frozen BERT), a run decodes its test set from float16 cached states. The same
+    checkpoint translating that same text reads the same entry, so it gives the run's own hypotheses; text the
+    cache has never seen is encoded live."""
+    from pathlib import Path
+
+    from nmtcore.data import prepare_data
+    from nmtcore.decoding import load_translator
+    from nmtcore.engine import run_experiment
+    from nmtcore.testing.synthetic import tiny_experiment
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "train.max_epochs": 1})
+    summary = run_experiment(cfg)
+    src = list(prepare_data(cfg.data).splits["test"].raw_src)
+    translator = load_translator(Path(cfg.output_dir) / "checkpoints" / "epoch1.pt")
+    expected = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
+    assert translator.translate(src) == expected
+    assert len(translator.translate(src[:5])) == 5  # not cached as such: live states
+
+
 @pytest.mark.parametrize("stack", ["encoder", "decoder"])
 def test_a_skipped_branch_gets_a_zero_gradient_and_keeps_its_momentum_only_when_asked(small_batch, stack):
     """``model.drop_net_zero_grads``: the branch drop-net switched off gets zero gradients (the original code's

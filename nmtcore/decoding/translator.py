@@ -13,6 +13,7 @@ import torch
 
 from nmtcore.allocator import tune_allocator
 from nmtcore.bert import bert_layers, word_start_table
+from nmtcore.bert.features import FeatureCache
 from nmtcore.checkpoint import CheckpointError, load_checkpoint, load_model_weights
 from nmtcore.config import ConfigError, DecodeConfig, ExperimentConfig
 from nmtcore.data import EncodedSplit, SubwordVocab, encode_split, inference_batches
@@ -70,6 +71,9 @@ class Translator:
         split = encode_split(self.vocab, "input", [" ".join(line.split()) for line in lines])
         for bert in bert_layers(self.model)[:1]:  # a BERT-consuming model reads its own stream of the input
             split.bert = bert.encode_split(split, word_start_table(self.vocab))
+            if bert.cache_wanted:  # where this very input was cached (a test set), the states its run decoded from
+                cache = FeatureCache(self.cfg.data.resolved_cache_dir() / "bert_features")
+                split.bert.features = cache.load(bert.features_key(split.bert), len(lines))
         return translate_split(self.model, split, self.vocab, self.cfg.decode, self.device)
 
 

@@ -11,10 +11,9 @@ another), paired bootstrap over the sentences.
 
 The tested weights are found from the trial's run: its ``output_dir`` parameter and the ``final_model`` its
 ``summary.json`` names (a best epoch's checkpoint, or ``averaged.pt``). Sentence-level models only: a model that
-reads document context is refused, since the check decodes sentence by sentence. A BERT-consuming model
-computes its BERT states here as ``nmtcore translate`` does; its trial decoded from the float16 feature cache. So even
-at the study's own penalty its BLEU can differ from the report's by a few tenths (the MiniLM-L4 study at lenpen 1.0:
-37.81 here, 37.73 from the trials' hypotheses, seeds pooled; its controls identical).
+reads document context is refused, since the check decodes sentence by sentence. A frozen BERT's states come
+from the run's feature cache where it holds these sentences, as in the trial's own decode, so at the study's
+penalty the check gives the trial's hypotheses.
 
   nmtcore lengths --sweep NAME [--lenpens 0.6,1.0,1.4,1.8,2.4] [--out DIR]
 """
