@@ -16,6 +16,7 @@ Only one reference per segment is supported (the setting of every corpus nmtcore
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Sequence
@@ -42,6 +43,11 @@ class Score:
     bp: float | None = None
     sys_len: int | None = None
     ref_len: int | None = None
+
+    @property
+    def len_ratio(self) -> float:
+        """The output's length over the references' (BLEU only; NaN where there are no reference tokens)."""
+        return self.sys_len / self.ref_len if self.sys_len is not None and self.ref_len else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tuples become lists)."""

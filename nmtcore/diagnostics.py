@@ -61,8 +61,8 @@ def measure(trainer: "Trainer") -> dict[str, float]:
             with switch():
                 score = bleu.corpus_bleu(trainer.translate(split, greedy), split.raw_tgt)
                 out[f"valid_bleu/{name}"] = score.score
-                if score.sys_len is not None and score.ref_len:
-                    out[f"valid_len_ratio/{name}"] = score.sys_len / score.ref_len
+                if not math.isnan(score.len_ratio):
+                    out[f"valid_len_ratio/{name}"] = score.len_ratio
                 out.update({f"{k}/{name}": v for k, v in scoring(trainer, split).items()})
         out.update({f"bert_usage/{k}": float(v) for k, v in usage.items()})
         if _has_probe(model):

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Sequence
@@ -71,7 +70,7 @@ def run_experiment(cfg: ExperimentConfig, callbacks: Sequence[Callback] = (), re
         summary.test[name] = TestScore(bleu=b.score, chrf=bleu.corpus_chrf(hyps, split.raw_tgt).score,
                                        signature=b.signature, hyp_path=str(path), decode_wall_s=wall,
                                        sentences_per_s=len(hyps) / wall if wall > 0 else 0.0, bp=b.bp,
-                                       len_ratio=b.sys_len / b.ref_len if b.ref_len else math.nan,
+                                       len_ratio=b.len_ratio,
                                        precisions=b.precisions)
     for cb in callbacks:
         cb.on_train_end(trainer, summary)

@@ -512,7 +512,7 @@ class Trainer:
                 starts.setdefault(self.phases[int(h["phase"]) - 1].name, int(h["epoch"]))
         return starts
 
-    def finalize_model(self) -> str:
+    def finalize_model(self) -> str:  # the description tested_file() reads back
         """Load the weights used for testing: the average of the last ``average_last`` epoch checkpoints
         if set, else the best epoch (lowest validation loss). Returns a description."""
         ckpts = epoch_checkpoints(self.save_dir)
@@ -525,10 +525,10 @@ class Trainer:
             if self.rank == 0:
                 payload = self.checkpoint_payload()
                 payload.pop("optimizer")
-                save_checkpoint(self.save_dir / "averaged.pt", payload)
+                save_checkpoint(self.save_dir / AVERAGED, payload)
             log.info("checkpoint averaging (train.average_last=%d): the tested model is the average of %s",
                      self.cfg.train.average_last, ", ".join(p.name for p in chosen))
-            return f"average of {', '.join(p.name for p in chosen)}"
+            return f"{AVERAGE_OF}{', '.join(p.name for p in chosen)}"
         if self.cfg.train.average_last > 1:
             log.warning("checkpoint averaging (train.average_last=%d) skipped: only %d epoch checkpoint(s)%s",
                         self.cfg.train.average_last, len(ckpts), " in the last phase" if self.phases else "")
@@ -539,6 +539,16 @@ class Trainer:
         return f"epoch{self.state.epoch}.pt (last)"
 
 
+
+
+AVERAGED = "averaged.pt"  # the averaged weights finalize_model tests, in save_dir
+AVERAGE_OF = "average of "
+
+
+def tested_file(final_model: str) -> str:
+    """The file in ``save_dir`` holding the weights :meth:`Trainer.finalize_model` described as ``final_model``
+    (``epoch9.pt``, ``epoch12.pt (last)`` or ``average of epoch11.pt, epoch12.pt``); "" for an empty one."""
+    return AVERAGED if final_model.startswith(AVERAGE_OF) else (final_model.split(" ") or [""])[0]
 
 
 def _progress(epoch: int, rank: int):

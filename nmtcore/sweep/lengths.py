@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nmtcore import bleu, tracking
+from nmtcore.engine.trainer import tested_file
 from nmtcore.sweep import results
 from nmtcore.sweep.settings import SweepError
 
@@ -62,8 +63,7 @@ def tested_checkpoint(run: tracking.RunRecord, uri: str) -> Path:
         summary = json.loads(tracking.read_artifact_text(run.run_id, "summary.json", uri))
     except (tracking.TrackingError, OSError, ValueError):
         raise LengthCheckError(f"run {run.run_id}: no summary.json, so which weights it tested is unknown") from None
-    final = str(summary.get("final_model") or "")
-    name = "averaged.pt" if final.startswith("average of") else final.split(" ")[0]
+    name = tested_file(str(summary.get("final_model") or ""))
     save_dir = Path(run.params.get("train.save_dir") or Path(out) / "checkpoints")
     path = save_dir / name
     if not out or not name or not path.is_file():
@@ -83,13 +83,13 @@ def decode_trial(trial: TrialDecodes, valid_src: list[str], valid_ref: list[str]
     for lp in lenpens:
         hyps = translate(trial.checkpoint, valid_src, lp)
         score = bleu.corpus_bleu(hyps, valid_ref)
-        trial.valid[lp] = {"bleu": score.score, "len_ratio": score.sys_len / max(score.ref_len, 1)}
+        trial.valid[lp] = {"bleu": score.score, "len_ratio": score.len_ratio}
     trial.lenpen = pick_lenpen(trial.valid)
     for split, (src, ref) in tests.items():
         hyps = translate(trial.checkpoint, src, trial.lenpen)
         score = bleu.corpus_bleu(hyps, ref)
         trial.test_hyps[split] = hyps
-        trial.test[split] = {"bleu": score.score, "bp": score.bp, "len_ratio": score.sys_len / max(score.ref_len, 1)}
+        trial.test[split] = {"bleu": score.score, "bp": score.bp, "len_ratio": score.len_ratio}
     return trial
 
 
@@ -174,10 +174,10 @@ def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpe
     runs = [(g.label, r) for g in rep.groups for r in g.runs if results.trial_state(r) == "complete"]
     if not runs:
         raise LengthCheckError(f"sweep {sweep}: no complete trial")
-    checkpoints = [tested_checkpoint(run, rep.tracking_uri) for _, run in runs]
-    cfg = _translator(checkpoints[0]).cfg  # where its data is: the trial's own config
     if any(r.params.get("model.context_integration", "none") not in ("none", "") for _, r in runs):
         raise LengthCheckError(f"sweep {sweep}: its models read document context; this check decodes sentence by sentence")
+    checkpoints = [tested_checkpoint(run, rep.tracking_uri) for _, run in runs]
+    cfg = _translator(checkpoints[0]).cfg  # where its data is: the trial's own config
     valid = load_split(cfg.data, cfg.data.valid_split)
     tests: dict[str, tuple[list[str], list[str]]] = {}
     for split in rep.test_splits:

@@ -18,6 +18,7 @@ import yaml
 from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE, loss_still_falling
+from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
@@ -307,7 +308,7 @@ def _averaging_mismatch(reference: Group, groups: list[Group]) -> list[str]:
     wherever the reference and an arm tested different kinds of weights (``Trainer.finalize_model``'s
     ``average of …`` or one checkpoint)."""
     def kinds(g: Group) -> set[str]:
-        return {"an average of checkpoints" if t.startswith("average of") else "one epoch's weights" for t in g.tested}
+        return {"an average of checkpoints" if tested_file(t) == AVERAGED else "one epoch's weights" for t in g.tested}
     ref = kinds(reference)
     out = []
     for g in groups:
