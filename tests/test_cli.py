@@ -201,6 +201,8 @@ def test_sigterm_stops_a_sweep_with_one_line_and_143_then_resume_finishes_it(tmp
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "sweep stopped finished" in done.stdout and "TERMINATED" in done.stdout, done.stdout[-3000:]
     assert ("stopped before its trials began" in done.stdout) == ("epoch" not in phase), done.stdout[-3000:]
+    # Stopped in its trials, the sweep kept that session's time split: the resumed one reports both sessions.
+    assert ("  session 2 (started " in done.stdout) == ("epoch" in phase), done.stdout[-3000:]
     assert not [t for t in ("PENDING", "ERROR", "RUNNING") if f" {t} " in done.stdout], done.stdout[-3000:]
 
 

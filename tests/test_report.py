@@ -10,7 +10,7 @@ import random
 import pytest
 
 from nmtcore import tracking
-from nmtcore.sweep import lifecycle, report, results
+from nmtcore.sweep import lifecycle, report, results, timing
 
 SPLIT, LANG = "test", "de"
 REFS = [f"der hund {i} sieht die katze {i % 7}" for i in range(60)]
@@ -366,6 +366,36 @@ def test_an_estimate_logged_before_training_stands_beside_what_each_arm_took(tmp
 
     without = stage_sweep(tmp_path, "plain", "patience")  # a sweep that logged no estimate: no column
     assert "estimated (min)" not in report.table_rows(results.build_report("plain", without, n_bootstrap=0))[0]
+
+
+def test_the_report_prints_each_sessions_time_split_and_their_total(tmp_path):
+    """A sweep spread over two sessions (``--resume``): the report lists both sessions' phases and the wall time
+    over both; the phases' seconds come from the clock that timed them."""
+    import time
+
+    uri = stage_sweep(tmp_path, "split", "patience")
+    parent = tracking.Tracker(uri, run_id=results.build_report("split", uri, n_bootstrap=0).parent_run_id)
+    first = timing.PhaseClock(started="2026-12-04T08:49:11+00:00")
+    first.seconds = {"data": 3.2, "baseline": 1182.0, "trials": 1800.0}
+    sessions = timing.record(parent, first, [])
+    second = timing.PhaseClock(started="2026-12-05T09:00:00+00:00")
+    with second.phase("trials"):
+        time.sleep(0.05)
+    with second.phase("trials"):  # a phase timed twice adds up
+        time.sleep(0.05)
+    assert 0.1 <= second.seconds["trials"] < 1.0
+    timing.record(parent, second, sessions)
+    rep = results.build_report("split", uri, n_bootstrap=0)
+    assert [s["started"] for s in rep.time_split] == [first.started, second.started]
+    md = report.render_markdown(rep)
+    assert "- session 1 (started 2026-12-04T08:49:11+00:00): data 3 s; baseline 19.7 min; trials 30.0 min; wall" in md
+    assert "- session 2 (started 2026-12-05T09:00:00+00:00): trials 0 s; wall" in md
+    assert "- all 2 sessions: wall" in md
+    report.write_report(rep, tmp_path / "out")
+    assert len(json.loads((tmp_path / "out" / "report.json").read_text())["time_split"]) == 2
+    # A sweep that recorded no split (older code): no such lines.
+    assert "Time split" not in report.render_markdown(results.build_report("plain", stage_sweep(
+        tmp_path, "plain", "patience"), n_bootstrap=0))
 
 
 def test_an_arm_that_writes_shorter_output_shows_its_length_and_brevity_penalty(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import re
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import search_spaces
 from nmtcore import tracking
 from nmtcore.allocator import find_library
 from nmtcore.engine import Callback
-from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend
+from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend, timing
 from nmtcore.sweep.ray_backend import callbacks as rb_callbacks, cluster as rb_cluster, tasks as rb_tasks
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
@@ -210,6 +211,7 @@ def test_a_baseline_still_to_train_starts_before_the_bert_features_and_a_stored_
 def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, store, tmp_path, capsys):
     space = SearchSpace("smoke", "tiny", "transformer", params={"model.d_model": grid((32, 64, 48))})
     settings = dataclasses.replace(tiny_settings(tmp_path, "smoke", store), estimate=True)
+    t_start = time.perf_counter()
     result = driver.run_sweep(space, tiny_base(tmp_path), settings, log_to_driver=False)
     assert not result.interrupted and [t.status for t in result.trials] == ["TERMINATED"] * 3
     # Under FIFO the third trial ran in the Tune actor (process) of one of the first two, not a new one.
@@ -228,6 +230,7 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
         steps = ("started", "epoch 1/2", "epoch 2/2", "done after epoch 2: stopped by schedule")
         assert [w for w in steps if any(w in x for x in mine)] == list(steps), console
     assert all(re.match(r"\d\d:\d\d:\d\d trial ", line) for line in console), console
+    assert out[-2] == "sweep smoke: time split (wall clock)" and "; trials " in out[-1], out[-3:]
 
     parents, children = runs_of("smoke", store)
     assert len(parents) == 1 and len(children) == 3
@@ -259,8 +262,15 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
     assert b.start_time < a.end_time
     # The report is in MLflow and on disk.
     arts = tracking.list_artifacts(parents[0].run_id, store)
-    assert {"report/table.md", "report/bleu_vs_cost.png", "estimate.json"} <= set(arts)
+    assert {"report/table.md", "report/bleu_vs_cost.png", "estimate.json", "time_split.json"} <= set(arts)
     assert "estimated (min)" in (tmp_path / "report" / "table.md").read_text()
+    # Where the time went, phase by phase, in the order the phases ran; the trials' phase spans the trials.
+    (split,) = timing.read(parents[0].run_id, store)
+    assert list(split["phases"]) == ["Ray start", "data", "BERTs, quality and features", "cost estimate", "trials",
+                                     "report"]
+    last_end = max(c.end_time for c in children) - min(c.start_time for c in children)
+    assert last_end / 1000 <= split["phases"]["trials"] <= split["wall_s"] <= time.perf_counter() - t_start
+    assert "Time split (wall clock, measured" in (tmp_path / "report" / "table.md").read_text()
     assert (tmp_path / "report" / "table.md").read_text().count("| 32 |") == 1
     # Same name again without --resume: refused, nothing started.
     with pytest.raises(sweep_settings.SweepError, match="already exists.*--resume"):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from nmtcore import tracking
 from nmtcore.config import ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
-from nmtcore.sweep import cost, pre_sweep, ray_backend
+from nmtcore.sweep import cost, pre_sweep, ray_backend, timing
 from nmtcore.sweep.dashboard import dashboard_access
 from nmtcore.sweep.lifecycle import (
     TrialState,
@@ -107,6 +107,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         SweepError / SpaceError / ConfigError: before anything runs, with a one-line message.
     """
     t0 = time.perf_counter()
+    clock = timing.PhaseClock(t0=t0)
     settings = resolve_settings(settings)
     exp_dir = join(settings.storage, settings.name)
     state, space, base, settings = _resumed(space, base, settings, exp_dir)
@@ -115,22 +116,23 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         mark_started(exp_dir, space.name)
     worker_env = settings.worker_env()  # the processes that train: the baseline task and the trials' workers
     started_ray = not ray_backend.ray_is_running()
-    dashboard_url = ray_backend.init_ray(
-        settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
-        log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)},
-        memory_gb=settings.memory_gb, worker_env=worker_env if settings.trial_in_actor else None)
+    with clock.phase("Ray start"):
+        dashboard_url = ray_backend.init_ray(
+            settings.address, settings.num_cpus, settings.dashboard, settings.dashboard_host, settings.ray_temp_dir,
+            log_to_driver, {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(settings.worker_start_timeout_s)},
+            memory_gb=settings.memory_gb, worker_env=worker_env if settings.trial_in_actor else None)
     try:
         if settings.address:
             ray_backend.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints, estimated, made = before_trials(space, base, settings, baseline, state is None,
-                                                          worker_env, t0)
+                                                          worker_env, t0, clock)
         if made is not None:
             base = base.with_overrides({"train.init_from": str(made.path)})
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
         ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env)
         interrupted, trials, report_files = _run_trials(ctx, space, base, settings, parent, exp_dir, state,
-                                                       on_trial_end, dashboard_url)
+                                                       on_trial_end, dashboard_url, clock)
     finally:
         if started_ray:
             ray_backend.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
@@ -166,25 +168,38 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
 
 def before_trials(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
                   baseline: ExperimentConfig | None, new: bool, env: Mapping[str, str], t0: float,
+                  clock: timing.PhaseClock | None = None,
                   ) -> tuple[dict[str, str], dict[str, BertFootprint], cost.Estimate | None, Any]:
     """The work before a sweep's trials, as pre-sweep tasks: the data, what the trials share
     (:func:`prepare_shared`), the cost estimate (a ``new`` sweep's, with ``settings.estimate``) and, for a
     protocol that warm-starts, the shared baseline (a ``new`` sweep's: a resumed one has its trials' own
     checkpoints). A baseline still to train trains as soon as the BERTs are made and the estimate is printed:
     it reads no BERT, so the BERTs' quality figures and feature caches wait for it instead of it for them.
-    Returns the data checksums, the BERTs' footprints, the estimate and the baseline (None: none)."""
-    pre_sweep.prepare_data_task(base.data)  # fails fast on missing data; the later steps reuse its checksums
+    Returns the data checksums, the BERTs' footprints, the estimate and the baseline (None: none). ``clock``
+    times each step as a phase of the sweep's time split (:mod:`~nmtcore.sweep.timing`)."""
+    phase = (clock or timing.PhaseClock()).phase
+    with phase("data"):
+        pre_sweep.prepare_data_task(base.data)  # fails fast on missing data; the later steps reuse its checksums
     warm = new and space.protocol is not None and space.protocol.warm_start
     bcfg = (baseline or baseline_config(space, base)) if warm else None
     if bcfg is not None and not pre_sweep.baseline_stored(bcfg, settings.baseline_store):
-        make_berts(base, space)  # one that cannot be made fails here, before hours of baseline
-        estimated = _estimate(space, base, settings, baseline, None) if settings.estimate else None
-        made = _baseline(bcfg, settings, env)
-        data, footprints = prepare_shared(base, space)
+        with phase("BERTs made"):
+            make_berts(base, space)  # one that cannot be made fails here, before hours of baseline
+        with phase("cost estimate"):
+            estimated = _estimate(space, base, settings, baseline, None) if settings.estimate else None
+        with phase("baseline"):
+            made = _baseline(bcfg, settings, env)
+        with phase("BERTs' quality and features"):
+            data, footprints = prepare_shared(base, space)
         return data, footprints, estimated, made
-    data, footprints = prepare_shared(base, space)
-    estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and new else None
-    return data, footprints, estimated, None if bcfg is None else _baseline(bcfg, settings, env)
+    with phase("BERTs, quality and features"):
+        data, footprints = prepare_shared(base, space)
+    with phase("cost estimate"):
+        estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and new else None
+    if bcfg is None:
+        return data, footprints, estimated, None
+    with phase("baseline"):
+        return data, footprints, estimated, _baseline(bcfg, settings, env)
 
 
 def _baseline(cfg: ExperimentConfig, settings: SweepSettings, env: Mapping[str, str]) -> Any:
@@ -269,30 +284,41 @@ def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
 def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
                 parent: tracking.Tracker, exp_dir: str, state: ResumeState | None,
                 on_trial_end: Callable[[dict[str, Any]], None] | None,
-                dashboard_url: str | None) -> tuple[bool, list[TrialRecord], list[str]]:
+                dashboard_url: str | None,
+                clock: timing.PhaseClock | None = None) -> tuple[bool, list[TrialRecord], list[str]]:
     """Every Tune run of the sweep (:func:`phases`), then its bookkeeping: orphaned child runs ended, the
-    parent tagged interrupted (KILLED) or the report made. Returns (interrupted, the trials, the report files)."""
+    parent tagged interrupted (KILLED) or the report made, and the session's time split (``clock``) stored on
+    the parent beside the earlier sessions' and printed. Returns (interrupted, the trials, the report files)."""
     interrupted = True
     report_files: list[str] = []
+    clock = clock or timing.PhaseClock()
+    earlier = timing.read(parent.run_id, parent.tracking_uri) if state is not None else []
     with parent:
         saved: list[Any] = []
         leaked = 0
-        for cells, exp in phases(space, exp_dir):
-            outcome = ray_backend.run_tune(ctx, settings, exp, base.train.max_epochs, restore=state is not None,
-                                           cells=cells, on_trial_end=on_trial_end,
-                                           before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
-            saved += outcome.trials
-            leaked += outcome.leaked_removed
+        with clock.phase("trials"):
+            for cells, exp in phases(space, exp_dir):
+                outcome = ray_backend.run_tune(
+                    ctx, settings, exp, base.train.max_epochs, restore=state is not None, cells=cells,
+                    on_trial_end=on_trial_end,
+                    before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
+                saved += outcome.trials
+                leaked += outcome.leaked_removed
         interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)
                        or any(t.status not in ("TERMINATED", "ERROR") for t in saved))
         trials = trial_records(saved, space, base.train.seed, parent.run_id, parent.tracking_uri)
         end_orphans(parent.run_id, parent.tracking_uri, interrupted)
+        _describe(lambda: timing.record(parent, clock, earlier))  # what the report reads
         if interrupted:
             parent.set_tags({tracking.FAILURE_REASON_TAG: "sweep interrupted; continue it with --resume"})
         elif settings.report_dir:
-            report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
-                                                        settings.report_dir, log=True)]
-            _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
+            with clock.phase("report"):
+                report_files = [str(p) for p in make_report(parent.run_id, parent.tracking_uri,
+                                                            settings.report_dir, log=True)]
+                _describe(lambda: note_sweep_report(parent.run_id, report_files, parent.tracking_uri))
+            _describe(lambda: timing.record(parent, clock, earlier))  # with the report's own time
+        print("\n".join([f"sweep {settings.name}: time split (wall clock)"]
+                        + [f"  {line}" for line in timing.describe([*earlier, clock.session()])]), flush=True)
         if leaked:
             parent.set_tags({schema.LEAKED_PLACEMENT_GROUPS_REMOVED: leaked})
         if interrupted:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from nmtcore import tracking
+from nmtcore.sweep import timing
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.results import (
     Comparison,
@@ -156,6 +157,9 @@ def render_markdown(report: SweepReport) -> str:
         phases = "; ".join(f"{p['name']} {p['seconds'] / 60:.1f} min" for p in est.get("phases", []))
         head += [f"Cost estimated before training ({est.get('machine', '?')}): {phases}; the `estimated (min)` "
                  "column is each arm's estimate beside its `wall (min)`.", ""]
+    if report.time_split:
+        head += ["Time split (wall clock, measured; the report's own time is the console's last lines and "
+                 f"`{timing.ARTIFACT}`):", *(f"- {line}" for line in timing.describe(report.time_split)), ""]
     verdict = report.not_an_answer()
     if verdict:
         head = [f"**{verdict}**", ""] + head
@@ -235,7 +239,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
-            "warnings": report.warnings}
+            "warnings": report.warnings, "time_split": report.time_split}
 
 
 def _sd(xs: list[float]) -> float | None:

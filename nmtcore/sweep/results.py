@@ -20,6 +20,7 @@ from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
+from nmtcore.sweep import timing
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
@@ -117,6 +118,7 @@ class SweepReport:
     warnings: list[str]
     baseline_converged: bool | None = None  # a warm-started study's shared baseline; None without one
     estimate: dict[str, Any] | None = None  # what the sweep estimated before training (``estimate.json``)
+    time_split: list[dict[str, Any]] = field(default_factory=list)  # what each session took (``time_split.json``)
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -202,7 +204,8 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
                        study=recorded.study, space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, protocol=recorded.protocol, groups=groups,
                        reference=reference, warnings=warnings,
-                       baseline_converged=converged, estimate=estimate)
+                       baseline_converged=converged, estimate=estimate,
+                       time_split=timing.read(parent.run_id, uri))
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:

@@ -1,0 +1,77 @@
+"""Where a sweep's wall-clock time went, phase by phase and session by session.
+
+A sweep measures each phase of its own run (Ray's start, the data, the BERTs, the cost estimate, the shared
+baseline, the BERTs' quality figures and feature caches, the trials, the report) and keeps the figures on its
+MLflow parent run as ``time_split.json``: one entry per session, so a sweep spread over several sessions with
+``--resume`` keeps every session's split. The report prints them beside the estimate made before training;
+the console prints the session's split when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from nmtcore import tracking
+
+ARTIFACT = "time_split.json"
+
+
+@dataclass
+class PhaseClock:
+    """The seconds one session of a sweep spent in each phase, in the order the phases began."""
+
+    started: str = field(default_factory=lambda: _dt.datetime.now().astimezone().isoformat(timespec="seconds"))
+    seconds: dict[str, float] = field(default_factory=dict)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as ``name`` (added to what that phase already took this session)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+    def session(self) -> dict[str, Any]:
+        """This session so far: when it started, each phase's seconds and the wall time since the start."""
+        return {"started": self.started, "phases": dict(self.seconds), "wall_s": time.perf_counter() - self.t0}
+
+
+def record(parent: tracking.Tracker, clock: PhaseClock, earlier: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Store ``earlier`` sessions and this one as the parent run's ``time_split.json``; returns the sessions."""
+    sessions = [*earlier, clock.session()]
+    parent.log_dict({"sessions": sessions}, ARTIFACT)
+    return sessions
+
+
+def read(run_id: str, tracking_uri: str | None) -> list[dict[str, Any]]:
+    """The sessions a sweep's parent run recorded (empty for a sweep that recorded none)."""
+    with contextlib.suppress(tracking.TrackingError, OSError, ValueError, KeyError):
+        return list(json.loads(tracking.read_artifact_text(run_id, ARTIFACT, tracking_uri))["sessions"])
+    return []
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3.4 min`` or ``1.52 h``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.2f} h"
+
+
+def describe(sessions: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per session (``phase time; ...; wall time``), then the total over sessions when there are
+    several. The wall time counts what no phase covers too (opening the MLflow run, Ray's shutdown)."""
+    lines = []
+    for i, s in enumerate(sessions, 1):
+        phases = "; ".join(f"{name} {duration(sec)}" for name, sec in s.get("phases", {}).items())
+        head = f"session {i} (started {s.get('started', '?')})" if len(sessions) > 1 else f"started {s.get('started', '?')}"
+        lines.append(f"{head}: {phases}; wall {duration(float(s.get('wall_s', 0.0)))}")
+    if len(sessions) > 1:
+        lines.append(f"all {len(sessions)} sessions: wall {duration(sum(float(s.get('wall_s', 0.0)) for s in sessions))}")
+    return lines
