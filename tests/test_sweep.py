@@ -129,7 +129,8 @@ def test_trials_console_says_each_step_and_where_every_trial_stands_when_silent(
     assert len(lines) == 3  # the result line reset the silence
     b.status, b.last_result = "RUNNING", {"epoch": 1.0}
     console.on_trial_start(5, [a, b], b)
-    assert lines[-1] == "trial L2-H384 seed 1: started (resumes after epoch 1)"
+    assert lines[-1] == ("trial L2-H384 seed 1: started (resumed: last reported epoch 1; it continues from its "
+                         "newest checkpoint)")
     a.status = "TERMINATED"
     console.on_trial_complete(6, [a, b], a)  # no final result: ASHA stopped it
     assert lines[-1] == "trial control seed 1: stopped by the scheduler after epoch 1 in 10.0 min"

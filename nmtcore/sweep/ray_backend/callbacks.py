@@ -128,7 +128,10 @@ class _TrialsConsole(tune.Callback):
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self.started.setdefault(trial.trial_id, time.monotonic())
         epoch = self._epoch(trial)
-        self._say(f"trial {self.name_of(trial)}: started" + (f" (resumes after epoch {epoch})" if epoch else ""))
+        # Tune knows the last epoch the trial reported; its newest checkpoint can be one later (saved, then the
+        # stop came before the report), and that is where it continues.
+        self._say(f"trial {self.name_of(trial)}: started" + (
+            f" (resumed: last reported epoch {epoch}; it continues from its newest checkpoint)" if epoch else ""))
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
                         **info: Any) -> None:
