@@ -19,8 +19,8 @@ from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
-from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep import timing
+from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from nmtcore import tracking
+from nmtcore.sweep.progress import duration
 
 ARTIFACT = "time_split.json"
 
@@ -57,21 +58,16 @@ def read(run_id: str, tracking_uri: str | None) -> list[dict[str, Any]]:
     return []
 
 
-def duration(seconds: float) -> str:
-    """``42 s``, ``3.4 min`` or ``1.52 h``."""
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.2f} h"
-
-
 def describe(sessions: Sequence[dict[str, Any]]) -> list[str]:
     """One line per session (``phase time; ...; wall time``), then the total over sessions when there are
     several. The wall time counts what no phase covers too (opening the MLflow run, Ray's shutdown)."""
     lines = []
     for i, s in enumerate(sessions, 1):
         phases = "; ".join(f"{name} {duration(sec)}" for name, sec in s.get("phases", {}).items())
-        head = f"session {i} (started {s.get('started', '?')})" if len(sessions) > 1 else f"started {s.get('started', '?')}"
+        started = f"started {s.get('started', '?')}"
+        head = f"session {i} ({started})" if len(sessions) > 1 else started
         lines.append(f"{head}: {phases}; wall {duration(float(s.get('wall_s', 0.0)))}")
     if len(sessions) > 1:
-        lines.append(f"all {len(sessions)} sessions: wall {duration(sum(float(s.get('wall_s', 0.0)) for s in sessions))}")
+        total = sum(float(s.get("wall_s", 0.0)) for s in sessions)
+        lines.append(f"all {len(sessions)} sessions: wall {duration(total)}")
     return lines
