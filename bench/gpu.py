@@ -1,14 +1,14 @@
 """What the platform does on one CUDA GPU, measured in one run: the model zoo's contract on the GPU, training
-throughput (fp32 / bf16, eager / compiled, the trainer's batches and 4x larger ones) against a bare
-``torch.nn.Transformer`` of the same size, several trials sharing the GPU, beam-search decoding speed, and the
+throughput (fp32 / bf16, eager / compiled / CUDA graphs, the trainer's batches and 4x larger ones) against a bare
+``torch.nn.Transformer`` of the same size, several trials sharing the GPU (with and without CUDA graphs), beam-search decoding speed, and the
 BERT arms' step time and peak GPU memory against the baseline's.
 
 Every figure is printed as a ``RESULT {json}`` line (and appended to ``--out``), ratios against the baseline or
 the bare model measured in the same run. The models are the studies' (``multi30k_small`` preset: 3+3 layers,
 d 256, Multi30k En->De, 4,096-token batches); BERT arms read ``minilm`` as their studies do.
 
-  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile,profile,translate]
-                      [--out F]
+  python bench/gpu.py --data-dir ../shared/data [--sections env,contract,sdpa,train,bert,decode,trials,compile,profile,graphs,translate]
+                      [--trials 1,4 --trial-graphs] [--out F]
   python bench/gpu.py --device cpu --smoke-test     # every section on the CPU with a few steps (checks the script)
 """
 
@@ -258,6 +258,89 @@ def sec_profile() -> None:
         trainer = steps = None
 
 
+def sec_graphs() -> None:
+    """``train.cuda_graphs`` against eager steps, fp32 and bf16, at the trainer's batches and 4x larger ones.
+    First, with dropout off, the losses of the same five updates from the same initial weights (a graph must
+    replay the eager step). Then, as a trial trains: the first epoch (every bucket captured in it; the captures'
+    count and cost), tokens/s over ``--steps`` steps after it, peak memory, and over 10 steps under
+    ``torch.profiler`` the device's kernel time against the wall time (the busy share of a step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if ARGS.device.type != "cuda":
+        result("graphs", skipped="CUDA only")
+        return
+    from nmtcore.engine.graphs import pad_to_bucket
+
+    data = prepare_data(base_cfg().data)
+    # 0. Which op, if any, makes the host wait inside a forward and backward pass (a capture would fail there).
+    trainer = build_trainer(base_cfg(**{"train.precision": "bf16"}), data, device=ARGS.device)
+    batch = pad_to_bucket(next(iter(trainer.train_batches(epoch=1))).to("cpu"), data.vocab.pad_id).to(ARGS.device)
+    sync()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer._forward_backward(batch)
+        result("graphs", check="no host sync in a bf16 forward and backward", ok=True)
+    except RuntimeError as e:
+        traceback.print_exc()
+        result("graphs", check="no host sync in a bf16 forward and backward", ok=False, error=str(e)[:300])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    trainer = None
+    for precision in ("fp32", "bf16"):
+        # 1. The same updates, eager and graphed, dropout off.
+        losses = {}
+        for graphed in (False, True):
+            torch.manual_seed(1)
+            cfg = base_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
+                              "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
+            trainer = build_trainer(cfg, data, device=ARGS.device)
+            assert (trainer.graphs is not None) == graphed, "train.cuda_graphs did not take effect"
+            batches = take(trainer, 5)
+            losses[graphed] = [trainer.train_step([b])["loss_sum"] / b.n_tgt_tokens for b in batches]
+            trainer = None
+        diff = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
+        result("graphs", check="same updates, dropout off", precision=precision, eager=losses[False],
+               graphed=losses[True], max_rel_diff=diff)
+        # 2. Speed, as a trial trains (dropout on).
+        for scale in (1, 4):
+            row = {"precision": precision, "max_tokens": 4096 * scale}
+            for graphed in (False, True):
+                cfg = base_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed,
+                                  "data.max_tokens": 4096 * scale})
+                reset_peak()
+                trainer = build_trainer(cfg, data, device=ARGS.device)
+                sync()
+                t0 = time.perf_counter()
+                first = sum(trainer.train_step([b])["n_tokens"] for b in trainer.train_batches(epoch=1))
+                sync()
+                first_s = time.perf_counter() - t0
+                batches = take(trainer, ARGS.steps)
+                s, tokens = timed(lambda b: trainer.train_step([b]), batches, 0)
+                who = "graphs" if graphed else "eager"
+                row.update({f"{who}_first_epoch_s": round(first_s, 2), f"{who}_first_epoch_tok_s": round(first / first_s),
+                            f"{who}_tok_s": round(tokens / s), f"{who}_step_ms": round(1e3 * s / ARGS.steps, 2),
+                            f"{who}_peak_gib": round(peak_gib(), 2)})
+                if graphed:
+                    st = trainer.graphs.stats
+                    row.update(captures=st.captures, capture_s=round(st.capture_s, 2), eager_steps=st.eager,
+                               failed=st.failed)
+                n = min(10, len(batches))
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    t0 = time.perf_counter()
+                    for b in batches[:n]:
+                        trainer.train_step([b])
+                    sync()
+                    wall = time.perf_counter() - t0
+                busy = sum(e.self_device_time_total for e in prof.key_averages()
+                           if e.device_type == DeviceType.CUDA) / 1e3 / n
+                row.update({f"{who}_profiled_step_ms": round(1e3 * wall / n, 2), f"{who}_busy_ms": round(busy, 2),
+                            f"{who}_busy_share": round(busy / (1e3 * wall / n), 3)})
+                trainer = None
+            row["graphs_over_eager"] = round(row["graphs_tok_s"] / row["eager_tok_s"], 3)
+            result("graphs", **row)
+
+
 def sec_compile() -> None:
     """``train.compile`` (inductor) in bf16 at the batch sizes of ``--compile-max-tokens``."""
     sec_train(tuple(("bf16", True, int(t) / 4096) for t in ARGS.compile_max_tokens.split(",")))
@@ -265,11 +348,15 @@ def sec_compile() -> None:
 
 def trial_worker() -> int:
     """One 'trial': train the baseline until told to go, then for ``--seconds``; report target tokens."""
-    cfg = base_cfg(**{"train.precision": low("bf16")})
+    cfg = base_cfg(**{"train.precision": ARGS.trial_precision or low("bf16"), "train.cuda_graphs": ARGS.graphs})
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     it = trainer.train_batches(epoch=1)
     for _ in range(ARGS.warmup):
         trainer.train_step([next(it)])
+    if ARGS.graphs:  # every bucket captured before the clock starts: the rest of epoch 1
+        for b in it:
+            trainer.train_step([b])
+        it = trainer.train_batches(epoch=2)
     sync()
     Path(ARGS.go + f".ready{os.getpid()}").touch()
     while not Path(ARGS.go).exists():
@@ -296,12 +383,19 @@ def trial_worker() -> int:
 def sec_trials() -> None:
     """K trials (processes) training the baseline at once on the device, as a sweep with
     ``--gpus-per-trial 1/K`` runs them: the sum of their tokens/s against one alone."""
+    for graphs in sorted({ARGS.graphs, ARGS.trial_graphs}):
+        _trials(graphs)
+
+
+def _trials(graphs: bool) -> None:
     alone = None
     for k in ARGS.trials:
-        go = Path(ARGS.scratch) / f"go{k}"
+        go = Path(ARGS.scratch) / f"go{k}{'g' if graphs else ''}"
         go.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--worker", "--device", str(ARGS.device), "--data-dir", ARGS.data_dir,
-               "--seconds", str(ARGS.seconds), "--go", str(go), "--warmup", str(ARGS.warmup)]
+               "--seconds", str(ARGS.seconds), "--go", str(go), "--warmup", str(ARGS.warmup),
+               *(["--graphs"] if graphs else []),
+               *(["--trial-precision", ARGS.trial_precision] if ARGS.trial_precision else [])]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // k))}
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(k)]
         t0 = time.perf_counter()
@@ -313,11 +407,13 @@ def sec_trials() -> None:
         outs = [p.communicate()[0] for p in procs]
         rows = [json.loads(line[7:]) for out in outs for line in out.splitlines() if line.startswith("WORKER ")]
         if len(rows) != k:
-            result("trials", k=k, error=f"{len(rows)} of {k} workers reported", rcs=[p.returncode for p in procs])
+            result("trials", k=k, cuda_graphs=graphs, error=f"{len(rows)} of {k} workers reported",
+                   rcs=[p.returncode for p in procs])
             continue
         total = sum(r["tokens"] / r["wall_s"] for r in rows)
         alone = alone or total
-        result("trials", k=k, total_tok_s=round(total), per_trial_tok_s=round(total / k),
+        result("trials", k=k, cuda_graphs=graphs, precision=ARGS.trial_precision or low("bf16"),
+               total_tok_s=round(total), per_trial_tok_s=round(total / k),
                total_over_one=round(total / alone, 2), peak_gib_per_trial=round(max(r["peak_gib"] for r in rows), 2))
 
 
@@ -353,16 +449,26 @@ def sec_translate() -> None:
     """A model that translates: the baseline trained on the device for ``--translate-epochs`` epochs (bf16 where
     the device has it, the preset's schedule otherwise), then test_2016_flickr decoded with the studies' decode
     settings, beam 5 and greedy: BLEU and sentences/s (the decode section times untrained weights at a fixed
-    output length; this one the lengths a trained model chooses)."""
+    output length; this one the lengths a trained model chooses). With ``--trial-graphs``, once eagerly and once
+    with ``train.cuda_graphs``."""
+    for graphs in sorted({ARGS.graphs, ARGS.trial_graphs}):
+        _translate(graphs)
+
+
+def _translate(graphs: bool) -> None:
     from nmtcore.bleu import corpus_bleu
 
     precision = low("bf16")
     cfg = base_cfg(**{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs, "train.patience": 0,
-                      "output_dir": str(Path(ARGS.scratch) / "translate")})
+                      "train.cuda_graphs": graphs,
+                      "output_dir": str(Path(ARGS.scratch) / f"translate{'-graphs' if graphs else ''}")})
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     fit = trainer.fit()
     last = trainer.state.history[-1]
-    result("translate", stage="train", precision=precision, epochs=fit.epochs, updates=fit.num_updates,
+    stats = trainer.graphs.stats if trainer.graphs is not None else None
+    result("translate", stage="train", cuda_graphs=graphs, precision=precision, epochs=fit.epochs,
+           graph_captures=stats and stats.captures, graph_replays=stats and stats.replays,
+           eager_steps=stats and stats.eager, updates=fit.num_updates,
            fit_wall_s=round(fit.fit_wall_s, 1), train_tok_s=round(last["train_tokens_per_s"]),
            valid_loss=round(last["valid_loss"], 3), valid_greedy_bleu=round(last.get("valid_bleu", float("nan")), 2))
     split = trainer.data.splits["test_2016_flickr"]
@@ -375,7 +481,7 @@ def sec_translate() -> None:
         hyps = trainer.translate(split, dcfg)
         sync()
         s = time.perf_counter() - t0
-        result("translate", stage="decode", beam=beam, lenpen=dcfg.lenpen, max_len=f"{dcfg.max_len_a}x+{dcfg.max_len_b}",
+        result("translate", stage="decode", cuda_graphs=graphs, beam=beam, lenpen=dcfg.lenpen, max_len=f"{dcfg.max_len_a}x+{dcfg.max_len_b}",
                max_sentences=dcfg.sentences_per_batch(ARGS.device), sentences=len(hyps),
                sent_per_s=round(len(hyps) / s, 1), bleu=round(corpus_bleu(hyps, split.raw_tgt).score, 2),
                mean_hyp_words=round(float(np.mean([len(h.split()) for h in hyps])), 1), peak_gib=round(peak_gib(), 2))
@@ -408,6 +514,7 @@ def sec_bert() -> None:
 
 SECTIONS = {"env": sec_env, "contract": sec_contract, "sdpa": sec_sdpa, "train": sec_train, "bert": sec_bert,
             "decode": sec_decode, "trials": sec_trials, "compile": sec_compile, "profile": sec_profile,
+            "graphs": sec_graphs,
             "translate": sec_translate}
 
 
@@ -425,6 +532,10 @@ def main() -> int:
     p.add_argument("--bert-precisions", default="bf16", help="precisions of the bert section (e.g. fp32,bf16)")
     p.add_argument("--compile-max-tokens", default="4096,16384", help="batch sizes of the compile section")
     p.add_argument("--translate-epochs", type=int, default=30, help="the translate section's training")
+    p.add_argument("--graphs", action="store_true", help="train.cuda_graphs in the trials section's trials")
+    p.add_argument("--trial-graphs", action="store_true",
+                   help="the trials and translate sections both without and with graphs")
+    p.add_argument("--trial-precision", default="", help="the trials' precision (default: bf16 where there is one)")
     p.add_argument("--out", default="")
     p.add_argument("--scratch", default="bench/out/gpu")
     p.add_argument("--smoke-test", action="store_true", help="a few steps of every section")

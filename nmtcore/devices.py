@@ -84,8 +84,10 @@ def _warn_slow_cpu_bf16() -> None:
                 "precision=auto picks fp32 on such CPUs")
 
 
-def autocast(dtype: torch.dtype | None, device: torch.device | str) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``dtype`` on ``device``'s type, or a no-op for fp32."""
+def autocast(dtype: torch.dtype | None, device: torch.device | str,
+             cache: bool = True) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``dtype`` on ``device``'s type, or a no-op for fp32. ``cache=False`` turns off
+    autocast's cache of cast weights (a CUDA graph capture needs it off)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype, cache_enabled=cache)

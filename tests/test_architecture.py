@@ -24,7 +24,7 @@ LAYERS = [
     ("nmtcore.bert",),
     ("nmtcore.models",),
     ("nmtcore.engine.losses", "nmtcore.engine.optim", "nmtcore.engine.phases", "nmtcore.engine.warm_start",
-     "nmtcore.engine.summary"),
+     "nmtcore.engine.summary", "nmtcore.engine.graphs"),
     ("nmtcore.decoding",),
     ("nmtcore.engine",),
     ("nmtcore.diagnostics",),

@@ -49,6 +49,7 @@ from nmtcore.config.sections import describe_phases
 from nmtcore.data import Batch, EncodedSplit, PreparedData, batch_indices, collate, prefetch
 from nmtcore.decoding import translate_split
 from nmtcore.devices import autocast, autocast_dtype, default_device, env_flag
+from nmtcore.engine.graphs import StepGraphs, pad_to_bucket, why_not
 from nmtcore.engine.losses import check_kd, label_smoothed_nll, training_loss
 from nmtcore.engine.optim import InverseSqrtSchedule, build_optimizer
 from nmtcore.engine.phases import (
@@ -138,8 +139,9 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.ddp_model: torch.nn.Module = self.model
-        self._wrap_ddp()
+        self.graphs: StepGraphs | None = None
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
+        self._wrap_ddp()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.schedule = InverseSqrtSchedule(cfg.train)
         self.state = TrainState()
@@ -155,7 +157,9 @@ class Trainer:
 
     def _wrap_ddp(self) -> None:
         """The module the training forward goes through: the model, in DDP over ranks, compiled with
-        ``train.compile``; (re)built after a phase change (DDP registers the trainable set once)."""
+        ``train.compile``; or, with ``train.cuda_graphs`` where it applies, the model's forward and backward
+        replayed from CUDA graphs (:attr:`graphs`). (Re)built after a phase change (DDP registers the trainable
+        set once; a graph, the gradients it writes)."""
         self.ddp_model = self.model
         if self.world_size > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -163,6 +167,15 @@ class Trainer:
         if self.cfg.train.compile:
             # Training forward only: validation, decoding (incremental steps) and checkpoints use self.model.
             self.ddp_model = torch.compile(self.ddp_model, dynamic=True)
+        self.graphs = None
+        if self.cfg.train.cuda_graphs:
+            reason = why_not(self.cfg, self.model, self.device, self.world_size)
+            if reason:
+                log.info("train.cuda_graphs: trains eagerly: %s", reason)
+            else:
+                self.model.zero_grad(set_to_none=True)  # the graphs allocate the gradients they write
+                self.graphs = StepGraphs(self._forward_backward, list(self.model.parameters()),
+                                         self.cfg.train.cuda_graph_max)
 
     # ------------------------------------------------------------------ phases
     def log_schedule(self) -> None:
@@ -214,6 +227,8 @@ class Trainer:
                                 seed=self.cfg.train.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
                                 bert_lens=self.budgeted_bert_lens(split))
         host = (self.host_batch(split, idx) for idx in indices)
+        if self.graphs is not None:  # bucket shapes, padded here in the prefetch thread
+            host = (pad_to_bucket(b, self.data.vocab.pad_id) for b in host)
         for batch in prefetch(host, dc.prefetch_batches):  # the next batch collates while this one trains
             yield batch.to(self.device)
 
@@ -242,6 +257,15 @@ class Trainer:
     def _grads(self) -> list[Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    def _forward_backward(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """One batch's forward and backward passes through :attr:`model` (what :attr:`graphs` captures): the
+        summed loss and NLL, detached. Autocast's weight cache is off (a capture cannot keep it)."""
+        with autocast(self.amp_dtype, self.device, cache=False):
+            out = self.model(batch)
+        lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id, batch.n_tgt_tokens)
+        lo.loss.backward()
+        return lo.loss.detach(), lo.nll.detach()
+
     def train_step(self, batches: list[Batch]) -> dict[str, float]:
         """One optimizer update over ``batches`` (gradient accumulation); returns summed statistics.
 
@@ -252,6 +276,10 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # Σ loss, Σ nll, kept on the device
         n_tokens = 0
         for i, batch in enumerate(batches):
+            if self.graphs is not None:
+                sums += torch.stack(self.graphs.run(batch)).double()
+                n_tokens += batch.n_tgt_tokens
+                continue
             sync = self.world_size == 1 or i == len(batches) - 1
             ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
             with ctx:
@@ -264,7 +292,7 @@ class Trainer:
         loss_sum, nll_sum = sums.tolist()
         bits = loss_sum / max(n_tokens, 1) / math.log(2)
         if diverged(bits):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.graphs is None)
             raise self.divergence("training loss", bits, self.state.num_updates + 1)
         if self.world_size > 1:
             # DDP averages gradients over ranks; rescale so the update is (Σ loss) / (Σ tokens).
@@ -278,7 +306,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
         lr = self.schedule.apply(self.optimizer, self.state.num_updates)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs write into the same gradients
         self.state.num_updates += 1
         return {"loss_sum": loss_sum, "nll_sum": nll_sum, "n_tokens": n_tokens, "lr": lr}
 
@@ -324,6 +352,10 @@ class Trainer:
             n_tokens += stats["n_tokens"]
         if bar is not None:
             bar.close()
+        if self.graphs is not None:
+            st = self.graphs.stats
+            log.info("epoch %d: CUDA graphs: %d buckets captured so far (%.1f s), %d batches replayed, %d eager%s",
+                     epoch, st.captures, st.capture_s, st.replays, st.eager, f" ({st.failed})" if st.failed else "")
         wall = time.perf_counter() - t0
         self.train_tokens_per_s = n_tokens / wall if wall > 0 else 0.0
         # Losses in base 2, as fairseq reports them.

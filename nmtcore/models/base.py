@@ -88,6 +88,10 @@ class NMTModel(nn.Module):
     # in ``decode_step`` only through attention over cached static keys/values (every registered model); a model
     # that combines it row by row with the decoder's states sets False and gets ``enc_out`` expanded to its rows.
     beams_share_memory: ClassVar[bool] = True
+    # Whether a training forward can be captured in a CUDA graph (train.cuda_graphs, nmtcore.engine.graphs): no
+    # host sync, no host-side draw or branch on data, every shape from the batch's. Read from the class's own
+    # body only (not inherited): a family that subclasses the baseline changes its forward and says so itself.
+    cuda_graph_safe: ClassVar[bool] = False
     # The longest sequence the model can position (source tokens with EOS; BOS and the target tokens), from
     # ``model.max_positions``; decoding truncates a longer source and caps the target there. None = no limit.
     max_positions: int | None = None

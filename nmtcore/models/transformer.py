@@ -36,6 +36,8 @@ class Transformer(NMTModel):
     # distillation, nmtcore.bert.BertKD; it never enters encode(), so decoding is unchanged); "input" = a
     # family that fuses BERT and owns its BertLayer itself.
     bert_role: ClassVar[str] = "teacher"
+    # Its training forward is shape-only and syncs nothing (its KD path is excluded by nmtcore.engine.graphs).
+    cuda_graph_safe: ClassVar[bool] = True
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__()

@@ -1,0 +1,111 @@
+"""``train.cuda_graphs`` on the CPU: what a graph replays must be the eager step. The padding to bucket shapes
+leaves the loss and the gradient unchanged; the trainer's graphed path (host padding, gradients kept between
+updates) trains as the eager one; runs a graph cannot serve train eagerly and say why. The capture itself needs a
+GPU: ``bench/gpu.py --sections graphs`` checks it there against eager steps on the same batches."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from nmtcore.config import preset
+from nmtcore.engine import build_trainer
+from nmtcore.engine.graphs import LEN_MULTIPLE, ROWS_MULTIPLE, bucket_shape, pad_batch, pad_to_bucket, why_not
+from nmtcore.engine.losses import label_smoothed_nll
+from nmtcore.testing.synthetic import tiny_experiment
+from nmtcore.testing.zoo import PAD, make_batch, tiny_model, with_inputs
+
+SRC = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15, 16]]
+TGT = [[17, 18, 19], [20, 21, 22, 23, 24], [25]]
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    lo = label_smoothed_nll(model(batch).logits, batch.tgt_out, 0.1, PAD, batch.n_tgt_tokens)
+    lo.loss.backward()
+    return lo.loss.detach(), lo.nll.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.grad is not None}
+
+
+@pytest.mark.parametrize("case", ["transformer", "bert_fused"])
+def test_padding_to_a_bucket_changes_neither_the_loss_nor_the_gradient(case):
+    model = tiny_model(case).eval()  # no dropout, drop-net's average: both passes compute the same function
+    batch = with_inputs(model, make_batch(SRC, TGT))
+    padded = pad_batch(batch, 16, 16, 8, PAD)
+    assert padded.src.shape == (16, 16) and padded.tgt_in.shape == (16, 8) and padded.n_tgt_tokens == batch.n_tgt_tokens
+    assert all(v.size(0) == 16 for v in padded.extras.values())
+    assert (padded.tgt_out[3:] == PAD).all() and not padded.tgt_mask[3:, 0].any()  # no all-padding attention row
+    loss, nll, grads = loss_and_grads(model, batch)
+    p_loss, p_nll, p_grads = loss_and_grads(model, padded)
+    torch.testing.assert_close(p_loss, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p_nll, nll, rtol=1e-5, atol=1e-5)
+    assert p_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(p_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert loss > 0 and any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_bucket_shapes_round_up_and_padding_never_shrinks():
+    batch = make_batch(SRC, TGT)  # 3 rows, source 7 (6 + eos), target 6
+    assert bucket_shape(batch) == (ROWS_MULTIPLE, LEN_MULTIPLE, LEN_MULTIPLE)
+    assert bucket_shape(pad_to_bucket(batch, PAD)) == bucket_shape(batch)
+    assert pad_to_bucket(batch, PAD).src.shape == (ROWS_MULTIPLE, LEN_MULTIPLE)
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_batch(batch, 2, 8, 8, PAD)
+
+
+def test_why_a_run_is_not_graphed():
+    cfg = preset("multi30k_small")
+    cuda = torch.device("cuda")
+    base = tiny_model("transformer")
+    assert why_not(cfg, base, cuda, 1) is None
+    assert "cpu" in why_not(cfg, base, torch.device("cpu"), 1)
+    assert "DDP" in why_not(cfg, base, cuda, 2)
+    assert "compile" in why_not(cfg.with_overrides({"train.compile": True}), base, cuda, 1)
+    assert "KD" in why_not(cfg.with_overrides({"train.kd_alpha": 0.9}), base, cuda, 1)
+    # A family subclassing the baseline does not inherit its declaration (drop-net draws on the host).
+    assert "BertFused" in why_not(cfg, tiny_model("bert_fused"), cuda, 1)
+
+
+class EagerGraphs:
+    """Stands in for StepGraphs on the CPU: replays nothing, runs the step the graph would hold."""
+
+    def __init__(self, forward_backward):
+        self.forward_backward, self.runs = forward_backward, []
+
+    def run(self, batch):
+        self.runs.append(tuple(batch.src.shape))
+        return self.forward_backward(batch)
+
+
+def test_the_graphed_path_of_the_trainer_trains_as_the_eager_one(tmp_path, caplog):
+    """The trainer's path with graphs (batches padded to buckets in the prefetch thread, the forward and backward
+    through ``_forward_backward``, gradients zeroed in place) gives the eager path's losses and weights over
+    three updates, gradient accumulation included. On the CPU ``train.cuda_graphs`` logs why it trains eagerly."""
+    runs = {}
+    for graphed in (False, True):
+        cfg = tiny_experiment(tmp_path / str(graphed), **{"train.cuda_graphs": graphed, "train.update_freq": 2})
+        with caplog.at_level(logging.INFO, logger="nmtcore.engine"):
+            trainer = build_trainer(cfg, device=torch.device("cpu"))
+        assert trainer.graphs is None
+        if graphed:
+            assert "train.cuda_graphs: trains eagerly: the device is cpu" in caplog.text
+            trainer.graphs = EagerGraphs(trainer._forward_backward)
+        batches = list(itertools.islice(trainer.train_batches(1), 6))
+        if graphed:
+            assert all(b.src.size(0) % ROWS_MULTIPLE == 0 and b.src.size(1) % LEN_MULTIPLE == 0
+                       and b.tgt_in.size(1) % LEN_MULTIPLE == 0 for b in batches)
+        losses = [trainer.train_step(batches[i: i + 2])["loss_sum"] for i in range(0, 6, 2)]
+        if graphed:
+            assert len(trainer.graphs.runs) == 6
+            assert all(p.grad is not None and not p.grad.any() for p in trainer.model.parameters() if p.requires_grad)
+        runs[graphed] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (eager, w_eager), (graphed, w_graphed) = runs[False], runs[True]
+    assert graphed == pytest.approx(eager, rel=1e-5)
+    for name, value in w_eager.items():
+        torch.testing.assert_close(w_graphed[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert not torch.equal(build_trainer(cfg, device=torch.device("cpu")).model.state_dict()["tgt_embed.weight"],
+                           w_eager["tgt_embed.weight"])
