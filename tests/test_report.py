@@ -436,3 +436,53 @@ def test_the_delta_split_sums_to_the_difference_of_the_means():
     assert report.length_and_precision(30.0, 1.0, 33.0, 1.0) == pytest.approx((0.0, 3.0))  # same length: precision
     assert report.length_and_precision(30.0, math.nan, 33.0, 1.0) == (None, None)
     assert report.length_and_precision(30.0, 0.0, 33.0, 1.0) == (None, None)
+
+
+def _sweep(uri, name, varied="arm", study="bert_benefit"):
+    return tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
+        lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.study": study, "nmtcore.varied_keys": varied,
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"}),
+        "nmtcore.protocol": "arms warm-started; control arm: yes"})
+
+
+def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsys):
+    """The same study run twice with other seeds: ``nmtcore report --sweep A --sweep B`` gives one row per
+    configuration over both sweeps' seeds (the bootstrap pooled over them, the t-test across them), counts a
+    (config, seed) found in both once, and refuses sweeps of different studies."""
+    from nmtcore.cli.main import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = _sweep(uri, "runA")
+    add_trial(first, tmp_path, 1, 0, "control", 0.3, control=True)
+    add_trial(first, tmp_path, 1, 1, "fused", 0.8, {"arm": "fused"})
+    first.end()
+    second = _sweep(uri, "runB")
+    add_trial(second, tmp_path, 2, 0, "control", 0.35, control=True)
+    add_trial(second, tmp_path, 2, 1, "fused", 0.7, {"arm": "fused"})
+    add_trial(second, tmp_path, 1, 2, "control", 0.9, control=True)  # seed 1 again: runA's is used
+    second.end()
+    other = _sweep(uri, "grid", varied="model.bert.layers", study="bert_size_grid")
+    other.end()
+
+    alone = results.build_report("runA", uri, n_bootstrap=200)
+    rep = results.build_report(["runA", "runB"], uri, n_bootstrap=200)
+    assert rep.sweep == "runA + runB" and rep.pooled == ["runA", "runB"] and not rep.time_split
+    control, fused = rep.groups
+    assert set(control.bleu[SPLIT]) == set(fused.bleu[SPLIT]) == {"1", "2"}
+    assert control.bleu[SPLIT]["1"] == alone.groups[0].bleu[SPLIT]["1"]  # the first sweep's seed 1, not runB's
+    c = fused.comparisons[SPLIT]
+    assert c.pooled_seeds == 2 and c.p_seeds is not None and c.delta > 10 and c.p < 0.05
+    assert alone.groups[1].comparisons[SPLIT].pooled_seeds == 1 and alone.groups[1].comparisons[SPLIT].p_seeds is None
+    assert any("control seed 1 (seed 1) is in runA and in runB: runA's run is used" in w for w in rep.warnings)
+    assert "Pooled over the sweeps `runA`, `runB`" in report.render_markdown(rep)
+    with pytest.raises(tracking.TrackingError, match="cannot pool sweeps 'runA' and 'grid': their study differ"):
+        results.build_report(["runA", "grid"], uri, n_bootstrap=0)
+
+    out = tmp_path / "pooled"
+    assert main(["report", "--sweep", "runA", "--sweep", "runB", "--tracking-uri", uri, "--out", str(out),
+                 "--bootstrap", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert "a pooled report is not logged to MLflow" in printed
+    assert json.loads((out / "report.json").read_text())["pooled"] == ["runA", "runB"]
+    assert [r["n_seeds"] for r in json.loads((out / "table.json").read_text())] == [2, 2]
+    assert not [a for a in tracking.list_artifacts(first.run_id, uri) if a.startswith("report")]

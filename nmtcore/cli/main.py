@@ -101,14 +101,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     from nmtcore import tracking
     from nmtcore.sweep import report
 
-    rep = report.build_report(args.sweep, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap)
-    files = report.write_report(rep, Path(args.out or Path("reports") / rep.sweep).resolve())
-    if not args.no_log:
+    sweeps = args.sweep if len(args.sweep) > 1 else args.sweep[0]
+    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap)
+    files = report.write_report(rep, Path(args.out or Path("reports") / "+".join(args.sweep)).resolve())
+    log = not args.no_log and not rep.pooled  # a pooled report belongs to no one sweep's run
+    if log:
         tracking.log_run_artifacts(rep.parent_run_id, files, "report", rep.tracking_uri)
     print(report.render_markdown(rep))
     print("\n".join(f"wrote {f}" for f in files))
-    if not args.no_log:
+    if log:
         print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
+    elif rep.pooled:
+        print("a pooled report is not logged to MLflow (it belongs to no one sweep's run)")
     return 0
 
 
@@ -232,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
 
     rp = sub.add_parser("report", help="a sweep's table and figures, from MLflow alone")
-    rp.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    rp.add_argument("--sweep", required=True, action="append",
+                    help="the sweep's name or its MLflow parent run id; given again, one report over the sweeps' runs "
+                         "pooled (the same study run again with other seeds)")
     rp.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
     rp.add_argument("--out", help="output folder (default: reports/<sweep>)")
     rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")

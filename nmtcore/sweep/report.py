@@ -152,6 +152,10 @@ def render_markdown(report: SweepReport) -> str:
             "ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds pooled) against the "
             "reference; p (seeds): paired t-test across seeds. "
             f"Parent run `{report.parent_run_id}`.", ""]
+    if report.pooled:
+        head += [f"Pooled over the sweeps {', '.join(f'`{n}`' for n in report.pooled)}: their runs of the same "
+                 "configuration are one row, each seed once (the parent run above is the first sweep's). Each "
+                 "sweep's own report has its cost estimate and time split.", ""]
     if report.estimate:
         est = report.estimate
         phases = "; ".join(f"{p['name']} {p['seconds'] / 60:.1f} min" for p in est.get("phases", []))
@@ -239,7 +243,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
-            "warnings": report.warnings, "time_split": report.time_split}
+            "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled}
 
 
 def _sd(xs: list[float]) -> float | None:

@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -119,6 +119,7 @@ class SweepReport:
     baseline_converged: bool | None = None  # a warm-started study's shared baseline; None without one
     estimate: dict[str, Any] | None = None  # what the sweep estimated before training (``estimate.json``)
     time_split: list[dict[str, Any]] = field(default_factory=list)  # what each session took (``time_split.json``)
+    pooled: list[str] = field(default_factory=list)  # the sweeps whose runs a pooled report joins (empty: one sweep)
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -158,18 +159,43 @@ class SweepReport:
 
 
 # ================================================================================== building
-def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
+def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
                  bootstrap_seed: int = 12345) -> SweepReport:
-    """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests)."""
+    """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
+
+    Several sweeps (a list) give one report over their runs pooled: sweeps of one study, varying the same keys,
+    tested on the same sets under the same protocol (else :class:`TrackingError`), e.g. the same study run
+    again with other seeds (``--arms-set train.seed=2``). Runs group by their config key, as within a sweep;
+    a (config, seed) found in more than one sweep counts once, the first sweep's, with a warning."""
     uri = tracking.resolve_tracking_uri(tracking_uri)
-    parent = find_sweep_run(sweep, uri)
-    recorded = schema.SweepTags.from_tags(parent.tags, default_name=sweep)
+    names = [sweep] if isinstance(sweep, str) else list(sweep)
+    if not names:
+        raise tracking.TrackingError("build_report: no sweep named")
+    parents = [find_sweep_run(name, uri) for name in names]
+    records = [schema.SweepTags.from_tags(p.tags, default_name=name) for p, name in zip(parents, names)]
+    parent, recorded = parents[0], records[0]
+    for other in records[1:]:
+        for what in ("study", "varied_keys", "test_splits", "protocol"):
+            if getattr(other, what) != getattr(recorded, what):
+                raise tracking.TrackingError(
+                    f"cannot pool sweeps {recorded.name!r} and {other.name!r}: their {what.replace('_', ' ')} differ "
+                    f"({getattr(recorded, what)!r} against {getattr(other, what)!r})")
     space = recorded.space_description
     varied, splits = list(recorded.varied_keys), list(recorded.test_splits)
     metric = space.get("metric", "valid_bleu")
+    warnings: list[str] = []
     by_key: dict[str, list[tracking.RunRecord]] = {}
-    for run in sweep_children(parent.run_id, uri):
-        by_key.setdefault(run.tags.get(CONFIG_KEY_TAG, run.run_id), []).append(run)
+    first_seen: dict[tuple[str, str], str] = {}
+    for p, rec in zip(parents, records):
+        for run in sweep_children(p.run_id, uri):
+            key = run.tags.get(CONFIG_KEY_TAG, run.run_id)
+            seed = run.tags.get(SEED_TAG, "")
+            if len(parents) > 1 and (key, seed) in first_seen:
+                warnings.append(f"{run.run_name or key} (seed {seed}) is in {first_seen[key, seed]} and in "
+                                f"{rec.name}: {first_seen[key, seed]}'s run is used")
+                continue
+            first_seen[key, seed] = rec.name
+            by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: c["valid_loss"] for run_id, c in curves.items()}
     phased = any("phase" in r.metrics for runs in by_key.values() for r in runs)
@@ -177,7 +203,6 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
               for key, runs in by_key.items()]
     groups.sort(key=lambda g: (not g.control, g.order, g.config_key))
     reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
-    warnings: list[str] = []
     if reference is not None and n_bootstrap > 0:
         for g in groups:
             if g is not reference:
@@ -194,18 +219,23 @@ def build_report(sweep: str, tracking_uri: str | os.PathLike | None = None, n_bo
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): it stopped before it converged")
     converged = recorded.baseline_converged
+    if len(records) > 1:
+        flags = [r.baseline_converged for r in records]
+        converged = False if False in flags else (None if None in flags else True)
     if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
     estimate = None
-    with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
-        estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
-    return SweepReport(sweep=recorded.name, parent_run_id=parent.run_id, tracking_uri=uri,
+    if len(parents) == 1:  # a pooled report has no one estimate nor time split: each sweep's report has its own
+        with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
+            estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
+    return SweepReport(sweep=" + ".join(r.name for r in records), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=recorded.study, space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, protocol=recorded.protocol, groups=groups,
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate,
-                       time_split=timing.read(parent.run_id, uri))
+                       time_split=timing.read(parent.run_id, uri) if len(parents) == 1 else [],
+                       pooled=[r.name for r in records] if len(parents) > 1 else [])
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
