@@ -486,3 +486,32 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     assert json.loads((out / "report.json").read_text())["pooled"] == ["runA", "runB"]
     assert [r["n_seeds"] for r in json.loads((out / "table.json").read_text())] == [2, 2]
     assert not [a for a in tracking.list_artifacts(first.run_id, uri) if a.startswith("report")]
+
+
+def test_a_sweep_exported_and_imported_into_another_store_gives_the_same_report(sweep_store, tmp_path, capsys):
+    """``nmtcore export`` then ``nmtcore import`` into a fresh store (a wiped machine's successor): the report
+    rebuilt there has the same rows, curves and comparisons; a second import into the same store is refused."""
+    from nmtcore.cli.main import main
+    from nmtcore.sweep import archive
+
+    uri, parent_id = sweep_store
+    path = tmp_path / "toy.json.gz"
+    assert main(["export", "--sweep", "toy", "--out", str(path), "--tracking-uri", uri]) == 0
+    assert "10 trial runs" in capsys.readouterr().out  # the control and 4 cells, 2 seeds (one failed, one stopped)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert main(["import", str(path), "--tracking-uri", other]) == 0
+    assert "imported sweep 'toy' (10 trial runs)" in capsys.readouterr().out
+    before, after = (results.build_report("toy", u, n_bootstrap=200) for u in (uri, other))
+    assert after.parent_run_id != parent_id
+    assert report.json_rows(after) == report.json_rows(before)
+    assert [g.curves for g in after.groups] == [g.curves for g in before.groups]
+    assert [(g.label, g.status, g.stopped_by) for g in after.groups] == [(g.label, g.status, g.stopped_by)
+                                                                          for g in before.groups]
+    assert sorted(after.warnings) == sorted(before.warnings)
+    child = results.sweep_children(after.parent_run_id, other)[0]
+    assert child.tags[archive.IMPORTED_FROM_TAG] in {r.run_id for r in results.sweep_children(parent_id, uri)}
+    with pytest.raises(tracking.TrackingError, match="a sweep named 'toy' is already in"):
+        archive.import_sweep(path, other)
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(tracking.TrackingError, match="not a sweep archive"):
+        archive.read_archive(tmp_path / "bad.json.gz")

@@ -1,4 +1,4 @@
-"""``nmtcore`` command line: train, translate, evaluate, report, bert-pretrain.
+"""``nmtcore`` command line: train, translate, evaluate, report, export / import, lengths, bert-pretrain.
 
 Every error a user can cause (bad config key, missing data, corrupt checkpoint...) ends as one line on
 stderr and exit status 2; tracebacks are for bugs.
@@ -113,6 +113,28 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
     elif rep.pooled:
         print("a pooled report is not logged to MLflow (it belongs to no one sweep's run)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``nmtcore export``: a sweep's MLflow record (what its report reads) in one file."""
+    from nmtcore.sweep import archive
+
+    path = archive.export_sweep(args.sweep, args.out, args.tracking_uri)
+    doc = archive.read_archive(path)
+    print(f"wrote {path}: sweep {doc['sweep']!r}, {len(doc['runs']) - 1} trial runs, {path.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """``nmtcore import``: a sweep exported by ``nmtcore export`` recreated in this store."""
+    from nmtcore import tracking
+    from nmtcore.sweep import archive
+
+    run_id = archive.import_sweep(args.archive, args.tracking_uri)
+    doc = archive.read_archive(args.archive)
+    print(f"imported sweep {doc['sweep']!r} ({len(doc['runs']) - 1} trial runs) as parent run {run_id} in "
+          f"{tracking.resolve_tracking_uri(args.tracking_uri)}; nmtcore report --sweep {doc['sweep']} reads it")
     return 0
 
 
@@ -244,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
     rp.add_argument("--no-log", action="store_true", help="do not attach the report to the parent run")
     rp.set_defaults(func=cmd_report)
+
+    ex = sub.add_parser("export", help="a sweep's MLflow record (runs, metrics, the report's artifacts) in one file, "
+                                       "to rebuild its report in another store (nmtcore import)")
+    ex.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    ex.add_argument("--out", required=True, help="the file to write (gzip'd JSON, e.g. <sweep>.json.gz)")
+    ex.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    ex.set_defaults(func=cmd_export)
+
+    im = sub.add_parser("import", help="recreate a sweep written by nmtcore export in this MLflow store")
+    im.add_argument("archive", help="the file nmtcore export wrote")
+    im.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    im.set_defaults(func=cmd_import)
 
     ln = sub.add_parser("lengths", help="a finished sweep's arms against its control at equal output length: each "
                                         "trial's tested weights decoded at the length penalty best on validation")
