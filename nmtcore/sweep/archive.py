@@ -24,10 +24,11 @@ from nmtcore import tracking
 from nmtcore.files import atomic_write_bytes
 from nmtcore.sweep.lifecycle import ROLE_TAG, SWEEP_TAG, find_sweep_run, sweep_children
 from nmtcore.sweep.settings import DEFAULT_EXPERIMENT
+from nmtcore.tracking import schema
 from nmtcore.tracking.runs import PARENT_RUN_TAG
 
 FORMAT = 1
-IMPORTED_FROM_TAG = "nmtcore.imported_from"  # on an imported run: the id of the run it was copied from
+IMPORTED_FROM_TAG = schema.IMPORTED_FROM
 # The artifacts a report reads; anything else (checkpoints, figures, configs) stays behind.
 ARTIFACT_DIRS = ("hypotheses/", "references/")
 ARTIFACT_FILES = ("summary.json", "estimate.json", "time_split.json")

@@ -60,6 +60,7 @@ TRIAL_STATE = "nmtcore.trial_state"
 FAILURE_KIND = "nmtcore.failure_kind"  # "nonfinite": deterministic, not worth a retry
 TUNE_STATUS = "nmtcore.tune_status"
 TUNE_TRIAL_ID = "nmtcore.tune_trial_id"
+IMPORTED_FROM = "nmtcore.imported_from"  # on a run made by ``nmtcore import``: the id of the run it copies
 ARM = "nmtcore.arm"  # "control", or the arm's name ("L2-H128", "p_net=0.3", an ablation arm's name)
 CONTROL = "nmtcore.control"  # "true" on the control arm's runs
 STUDY = "nmtcore.study"
