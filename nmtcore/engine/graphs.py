@@ -19,8 +19,8 @@ needs fixed shapes and fixed memory, so:
   The optimizer, clipping and the learning-rate schedule stay eager (a few fused kernels).
 
 Measured on one H200 (``bench/gpu.py --sections graphs``, ``results/bench/2026-12-04-gpu-h200-graphs/``): a bf16 step
-at 4,096 tokens went from 22.1 to 6.9 ms (3.19x tokens/s; the GPU busy 12% of a step before, 62% after), fp32
-1.35x; at 16,384 tokens bf16 1.58x, fp32 0.87x (that step was already 84% busy, and the padding costs more than
+at 4,096 tokens went from 22.1 to 6.9 ms (3.19x tokens/s; the GPU busy 4.1 ms of the step before, 4.7 ms after), fp32
+1.35x; at 16,384 tokens bf16 1.58x, fp32 0.87x (that step was already 83% busy, and the padding costs more than
 the launches saved). The same five updates with dropout off gave the eager losses to 1e-7 (fp32) and 1e-5 (bf16).
 
 Not bit-identical to eager training: the dropout masks differ (each capture's warm-up passes draw from the
