@@ -287,21 +287,33 @@ def sec_graphs() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     trainer = None
-    for precision in ("fp32", "bf16"):
-        # 1. The same updates, eager and graphed, dropout off.
-        losses = {}
+    # 1. The same updates, eager and graphed, dropout off; with 2 batches an update, gradients accumulate over two
+    # replays. Compared: the losses and, after the updates, the weights.
+    for precision, freq in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
+        losses, weights = {}, {}
         for graphed in (False, True):
             torch.manual_seed(1)
             cfg = base_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
                               "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
             trainer = build_trainer(cfg, data, device=ARGS.device)
             assert (trainer.graphs is not None) == graphed, "train.cuda_graphs did not take effect"
-            batches = take(trainer, 5)
-            losses[graphed] = [trainer.train_step([b])["loss_sum"] / b.n_tgt_tokens for b in batches]
+            batches = take(trainer, 5 * freq)
+            losses[graphed] = [trainer.train_step(batches[i: i + freq])["loss_sum"]
+                               / sum(b.n_tgt_tokens for b in batches[i: i + freq])
+                               for i in range(0, len(batches), freq)]
+            weights[graphed] = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()
+                                if v.is_floating_point()}
+            if graphed:
+                st = trainer.graphs.stats
+                assert not st.failed and st.eager == 0, st.failed or f"{st.eager} eager batches"
             trainer = None
         diff = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
-        result("graphs", check="same updates, dropout off", precision=precision, eager=losses[False],
-               graphed=losses[True], max_rel_diff=diff)
+        wdiff = max(float((weights[True][k] - w).abs().max()) for k, w in weights[False].items())
+        result("graphs", check="same updates, dropout off", precision=precision, batches_per_update=freq,
+               eager=losses[False], graphed=losses[True], max_rel_diff=diff, max_abs_weight_diff=wdiff)
+    if ARGS.graphs_check_only:
+        return
+    for precision in ("fp32", "bf16"):
         # 2. Speed, as a trial trains (dropout on).
         for scale in (1, 4):
             row = {"precision": precision, "max_tokens": 4096 * scale}
@@ -533,6 +545,7 @@ def main() -> int:
     p.add_argument("--compile-max-tokens", default="4096,16384", help="batch sizes of the compile section")
     p.add_argument("--translate-epochs", type=int, default=30, help="the translate section's training")
     p.add_argument("--graphs", action="store_true", help="train.cuda_graphs in the trials section's trials")
+    p.add_argument("--graphs-check-only", action="store_true", help="the graphs section's checks, not its timings")
     p.add_argument("--trial-graphs", action="store_true",
                    help="the trials and translate sections both without and with graphs")
     p.add_argument("--trial-precision", default="", help="the trials' precision (default: bf16 where there is one)")

@@ -199,11 +199,17 @@ class StepGraphs:
             # thread_local: the prefetch thread may pin host memory (a CUDA call) while this thread captures.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 loss, nll = self.forward_backward(inputs)
+            if any(p.grad is not g for p, g in zip(self.params, grads)):
+                # The backward must add into the buffers it found; one it replaced would be written, not added to,
+                # at each replay (gradient accumulation silently lost).
+                raise RuntimeError("the captured backward replaced a gradient tensor instead of adding into it")
         except RuntimeError as e:  # a host sync or an uncapturable op in the forward: eager from here on
             self.stats.failed = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("CUDA graphs off for the rest of this run: capturing a %s batch failed (%s)",
                         "x".join(map(str, batch.src.shape)), self.stats.failed, exc_info=True)
             torch.cuda.synchronize()
+            for p, g in zip(self.params, grads):
+                p.grad = g
             torch._foreach_copy_(grads, saved)
             return None
         torch._foreach_copy_(grads, saved)
