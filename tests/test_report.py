@@ -460,6 +460,7 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     add_trial(second, tmp_path, 2, 0, "control", 0.35, control=True)
     add_trial(second, tmp_path, 2, 1, "fused", 0.7, {"arm": "fused"})
     add_trial(second, tmp_path, 1, 2, "control", 0.9, control=True)  # seed 1 again: runA's is used
+    add_trial(second, tmp_path, 2, 3, "fused", 0.2, {"arm": "fused"}, state="failed")  # a retry within runB stays
     second.end()
     other = _sweep(uri, "grid", varied="model.bert.layers", study="bert_size_grid")
     other.end()
@@ -469,6 +470,7 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     assert rep.sweep == "runA + runB" and rep.pooled == ["runA", "runB"] and not rep.time_split
     control, fused = rep.groups
     assert set(control.bleu[SPLIT]) == set(fused.bleu[SPLIT]) == {"1", "2"}
+    assert fused.status == {"complete": 2, "failed": 1} and control.status == {"complete": 2}
     assert control.bleu[SPLIT]["1"] == alone.groups[0].bleu[SPLIT]["1"]  # the first sweep's seed 1, not runB's
     c = fused.comparisons[SPLIT]
     assert c.pooled_seeds == 2 and c.p_seeds is not None and c.delta > 10 and c.p < 0.05

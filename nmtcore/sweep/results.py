@@ -190,11 +190,11 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         for run in sweep_children(p.run_id, uri):
             key = run.tags.get(CONFIG_KEY_TAG, run.run_id)
             seed = run.tags.get(SEED_TAG, "")
-            if len(parents) > 1 and (key, seed) in first_seen:
+            if first_seen.get((key, seed), rec.name) != rec.name:  # in an earlier sweep (a sweep's own retries stay)
                 warnings.append(f"{run.run_name or key} (seed {seed}) is in {first_seen[key, seed]} and in "
                                 f"{rec.name}: {first_seen[key, seed]}'s run is used")
                 continue
-            first_seen[key, seed] = rec.name
+            first_seen.setdefault((key, seed), rec.name)
             by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: c["valid_loss"] for run_id, c in curves.items()}
