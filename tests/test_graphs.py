@@ -109,3 +109,21 @@ def test_the_graphed_path_of_the_trainer_trains_as_the_eager_one(tmp_path, caplo
         torch.testing.assert_close(w_graphed[name], value, atol=1e-5, rtol=1e-4, msg=name)
     assert not torch.equal(build_trainer(cfg, device=torch.device("cpu")).model.state_dict()["tgt_embed.weight"],
                            w_eager["tgt_embed.weight"])
+
+
+def test_the_gpu_bench_runs_its_graph_options_on_the_cpu(tmp_path):
+    """``bench/gpu.py`` parses its graph options and runs on the CPU (its checks need CUDA: skipped, said so)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.jsonl"
+    r = subprocess.run([sys.executable, str(root / "bench" / "gpu.py"), "--device", "cpu", "--smoke-test",
+                        "--sections", "env,graphs", "--graphs-check-only", "--trial-graphs", "--out", str(out),
+                        "--scratch", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["section"] for row in rows] == ["env", "graphs"]
+    assert rows[1] == {"section": "graphs", "skipped": "CUDA only"}
