@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,24 @@ def timed(step, batches: list, warmup: int) -> tuple[float, int]:
         tokens += b.n_tgt_tokens
     sync()
     return time.perf_counter() - t0, tokens
+
+
+def profiled(step, batches: list) -> tuple[Any, float, float]:
+    """``step`` over ``batches`` under ``torch.profiler`` (the device's kernels too on CUDA): the profile's key
+    averages, the wall ms a step and the device's kernel ms a step (0 on a CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ARGS.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for b in batches:
+            step(b)
+        sync()
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA)
+    return ev, 1e3 * wall / len(batches), busy / 1e3 / len(batches)
 
 
 def sec_env() -> None:
@@ -212,9 +231,6 @@ def sec_profile() -> None:
     """Where a bf16 training step's time goes, nmtcore's and the bare model's, at the trainer's batches and 4x
     larger ones (torch.profiler over 10 steps): wall time against device-busy time per step, kernel launches and
     host-device waits per step, and the ops that take the most device time and the most host time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = ARGS.device.type == "cuda"
     data = prepare_data(base_cfg().data)
     precision = low("bf16")
@@ -229,14 +245,7 @@ def sec_profile() -> None:
             for b in batches[: ARGS.warmup]:
                 step(b)
             sync()
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=acts) as prof:
-                t0 = time.perf_counter()
-                for b in batches[ARGS.warmup:]:
-                    step(b)
-                sync()
-                wall = time.perf_counter() - t0
-            ev = prof.key_averages()
+            ev, wall_ms, busy = profiled(step, batches[ARGS.warmup:])
             key = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(f"--- profile {who} max_tokens={cfg.data.max_tokens}: by {key}")
             print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
@@ -247,14 +256,13 @@ def sec_profile() -> None:
             def count(*names):
                 return sum(e.count for e in ev if e.key in names) / n
 
-            busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e3 / n  # kernels
             result("profile", who=who, max_tokens=cfg.data.max_tokens, steps=n,
-                   wall_ms_per_step=round(1e3 * wall / n, 2), device_busy_ms_per_step=round(busy, 2),
+                   wall_ms_per_step=round(wall_ms, 2), device_busy_ms_per_step=round(busy, 2),
                    launches_per_step=count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                            "cudaLaunchKernelExC"),
                    waits_per_step=count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
                    copies_per_step=count("cudaMemcpyAsync", "cudaMemcpy"),
-                   tok_s=round(sum(b.n_tgt_tokens for b in batches[ARGS.warmup:]) / wall))
+                   tok_s=round(sum(b.n_tgt_tokens for b in batches[ARGS.warmup:]) / (wall_ms * n / 1e3)))
         trainer = steps = None
 
 
@@ -264,9 +272,6 @@ def sec_graphs() -> None:
     replay the eager step). Then, as a trial trains: the first epoch (every bucket captured in it; the captures'
     count and cost), tokens/s over ``--steps`` steps after it, peak memory, and over 10 steps under
     ``torch.profiler`` the device's kernel time against the wall time (the busy share of a step)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     if ARGS.device.type != "cuda":
         result("graphs", skipped="CUDA only")
         return
@@ -279,7 +284,7 @@ def sec_graphs() -> None:
     sync()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        trainer._forward_backward(batch)
+        trainer._forward_backward(trainer.model, batch, cache=False)
         result("graphs", check="no host sync in a bf16 forward and backward", ok=True)
     except RuntimeError as e:
         traceback.print_exc()
@@ -337,17 +342,9 @@ def sec_graphs() -> None:
                     st = trainer.graphs.stats
                     row.update(captures=st.captures, capture_s=round(st.capture_s, 2), eager_steps=st.eager,
                                failed=st.failed)
-                n = min(10, len(batches))
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    t0 = time.perf_counter()
-                    for b in batches[:n]:
-                        trainer.train_step([b])
-                    sync()
-                    wall = time.perf_counter() - t0
-                busy = sum(e.self_device_time_total for e in prof.key_averages()
-                           if e.device_type == DeviceType.CUDA) / 1e3 / n
-                row.update({f"{who}_profiled_step_ms": round(1e3 * wall / n, 2), f"{who}_busy_ms": round(busy, 2),
-                            f"{who}_busy_share": round(busy / (1e3 * wall / n), 3)})
+                _, wall_ms, busy = profiled(lambda b: trainer.train_step([b]), batches[:10])
+                row.update({f"{who}_profiled_step_ms": round(wall_ms, 2), f"{who}_busy_ms": round(busy, 2),
+                            f"{who}_busy_share": round(busy / wall_ms, 3)})
                 trainer = None
             row["graphs_over_eager"] = round(row["graphs_tok_s"] / row["eager_tok_s"], 3)
             result("graphs", **row)

@@ -120,9 +120,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``nmtcore export``: a sweep's MLflow record (what its report reads) in one file."""
     from nmtcore.sweep import archive
 
-    path = archive.export_sweep(args.sweep, args.out, args.tracking_uri)
-    doc = archive.read_archive(path)
-    print(f"wrote {path}: sweep {doc['sweep']!r}, {len(doc['runs']) - 1} trial runs, {path.stat().st_size / 1e6:.1f} MB")
+    done = archive.export_sweep(args.sweep, args.out, args.tracking_uri)
+    print(f"wrote {done.where}: sweep {done.sweep!r}, {done.trial_runs} trial runs, "
+          f"{Path(done.where).stat().st_size / 1e6:.1f} MB")
     return 0
 
 
@@ -131,10 +131,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     from nmtcore import tracking
     from nmtcore.sweep import archive
 
-    run_id = archive.import_sweep(args.archive, args.tracking_uri)
-    doc = archive.read_archive(args.archive)
-    print(f"imported sweep {doc['sweep']!r} ({len(doc['runs']) - 1} trial runs) as parent run {run_id} in "
-          f"{tracking.resolve_tracking_uri(args.tracking_uri)}; nmtcore report --sweep {doc['sweep']} reads it")
+    done = archive.import_sweep(args.archive, args.tracking_uri)
+    print(f"imported sweep {done.sweep!r} ({done.trial_runs} trial runs) as parent run {done.where} in "
+          f"{tracking.resolve_tracking_uri(args.tracking_uri)}; nmtcore report --sweep {done.sweep} reads it")
     return 0
 
 

@@ -291,7 +291,7 @@ class TrainConfig:
     compile: bool = False
     # CUDA graphs over each update's forward and backward passes, one per padded batch shape (at most
     # cuda_graph_max of them; other shapes run eagerly): fewer host launches where a GPU step is bound by the
-    # host (bf16 at 4k tokens on an H200: 3.2x). Off by default: dropout masks then differ from eager training, so
+    # host (docs/performance.md, GPUs). Off by default: dropout masks then differ from eager training, so
     # a resumed run is not bit-identical to an uninterrupted one. Where it cannot apply (CPU, DDP, KD, a model
     # family not declared capture-safe) the run trains eagerly and logs why (nmtcore.engine.graphs).
     cuda_graphs: bool = False

@@ -8,7 +8,7 @@ extras, :func:`inference_batches` orders decoding batches by length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -45,24 +45,24 @@ class Batch:
         """Number of sentences B."""
         return self.src.shape[0]
 
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "Batch":
+        """A copy with ``fn`` applied to every tensor (extras included); ``n_tgt_tokens`` carried over."""
+        return Batch(src=fn(self.src), src_mask=fn(self.src_mask), tgt_in=fn(self.tgt_in), tgt_out=fn(self.tgt_out),
+                     tgt_mask=fn(self.tgt_mask), ids=fn(self.ids), extras={k: fn(v) for k, v in self.extras.items()},
+                     _n_tgt_tokens=self.n_tgt_tokens)
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the batch in a fixed order (the fields, then the extras by name)."""
+        return [self.src, self.src_mask, self.tgt_in, self.tgt_out, self.tgt_mask, self.ids,
+                *(self.extras[k] for k in sorted(self.extras))]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """A copy with every tensor (extras included) on ``device``."""
-        n = self.n_tgt_tokens
-
-        def mv(t: Tensor) -> Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        return Batch(src=mv(self.src), src_mask=mv(self.src_mask), tgt_in=mv(self.tgt_in),
-                     tgt_out=mv(self.tgt_out), tgt_mask=mv(self.tgt_mask), ids=mv(self.ids),
-                     extras={k: mv(v) for k, v in self.extras.items()}, _n_tgt_tokens=n)
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "Batch":
         """A copy in pinned host memory, so ``to(cuda, non_blocking=True)`` is truly asynchronous."""
-        n = self.n_tgt_tokens
-        return Batch(src=self.src.pin_memory(), src_mask=self.src_mask.pin_memory(),
-                     tgt_in=self.tgt_in.pin_memory(), tgt_out=self.tgt_out.pin_memory(),
-                     tgt_mask=self.tgt_mask.pin_memory(), ids=self.ids.pin_memory(),
-                     extras={k: v.pin_memory() for k, v in self.extras.items()}, _n_tgt_tokens=n)
+        return self.map(Tensor.pin_memory)
 
 
 def _greedy_bounds(lens: np.ndarray, max_tokens: int, max_sentences: int) -> list[int]:

@@ -1,16 +1,16 @@
 """CUDA graphs over a training update's forward and backward passes (``train.cuda_graphs``).
 
-At the studies' size (3+3 layers, d 256, 4k-token batches) a GPU step is bound by the host: on an H100 a bf16
-step took 27-31 ms of which the GPU was busy 4.5 ms, about 620 kernel launches each paid for by Python
-(``docs/performance.md``, GPUs). A CUDA graph records those launches once and replays them with one. A graph
+At the studies' size (3+3 layers, d 256, 4k-token batches) a GPU step is bound by the host: the GPU waits on
+hundreds of kernel launches, each paid for by Python (``docs/performance.md``, GPUs). A CUDA graph records those
+launches once and replays them with one. A graph
 needs fixed shapes and fixed memory, so:
 
 - **Buckets.** Every batch is padded to a bucket shape: rows up to a multiple of :data:`ROWS_MULTIPLE`, source
   and target length up to a multiple of :data:`LEN_MULTIPLE` (:func:`bucket_shape`). Extra positions are
   padding (pad ids, masked); extra rows copy row 0's inputs with a target of padding only, so they add
-  nothing to the loss or the gradient and no attention row is all padding (:func:`pad_batch`). On Multi30k at
-  4,096 tokens that is ~27% more cells, ~30 graphs over an epoch's ~120 batches; the GPU has the spare time.
-  Padding is done on the host, in the trainer's prefetch thread.
+  nothing to the loss or the gradient and no attention row is all padding (:func:`pad_batch`). The padded cells
+  cost GPU time a host-bound step has to spare; where the GPU is already busy, graphs can be slower. Padding is
+  done on the host, in the trainer's prefetch thread.
 - **One graph per bucket**, captured the first time a bucket is seen (two eager warm-up passes on a side
   stream, then the capture), each with its own input tensors, all in one memory pool. A graph's outputs are
   read right after its replay, so graphs replayed in any order may share the pool.
@@ -18,10 +18,7 @@ needs fixed shapes and fixed memory, so:
   between updates): gradient accumulation over ``train.update_freq`` batches replays into the same buffers.
   The optimizer, clipping and the learning-rate schedule stay eager (a few fused kernels).
 
-Measured on one H200 (``bench/gpu.py --sections graphs``, ``results/bench/2026-12-04-gpu-h200-graphs/``): a bf16 step
-at 4,096 tokens went from 22.1 to 6.9 ms (3.19x tokens/s; the GPU busy 4.1 ms of the step before, 4.7 ms after), fp32
-1.35x; at 16,384 tokens bf16 1.58x, fp32 0.87x (that step was already 83% busy, and the padding costs more than
-the launches saved). The same five updates with dropout off gave the eager losses to 1e-7 (fp32) and 1e-5 (bf16).
+What it gains, and its check against eager steps (``bench/gpu.py --sections graphs``): ``docs/performance.md``.
 
 Not bit-identical to eager training: the dropout masks differ (each capture's warm-up passes draw from the
 generator), so a run resumed from a checkpoint, which captures its graphs again, does not repeat the
@@ -82,15 +79,8 @@ def pad_batch(batch: Batch, rows: int, src_len: int, tgt_len: int, pad_id: int) 
     n = batch.n_tgt_tokens
     if rows > b:
         idx = torch.cat([torch.arange(b), torch.zeros(rows - b, dtype=torch.long)]).to(batch.src.device)
-
-        def more_rows(x: Tensor) -> Tensor:
-            return x.index_select(0, idx)
-
-        tgt_out = more_rows(batch.tgt_out)
-        tgt_out[b:] = pad_id
-        batch = Batch(src=more_rows(batch.src), src_mask=more_rows(batch.src_mask), tgt_in=more_rows(batch.tgt_in),
-                      tgt_out=tgt_out, tgt_mask=more_rows(batch.tgt_mask), ids=more_rows(batch.ids),
-                      extras={k: more_rows(v) for k, v in batch.extras.items()}, _n_tgt_tokens=n)
+        batch = batch.map(lambda x: x.index_select(0, idx))
+        batch.tgt_out[b:] = pad_id
 
     def longer(x: Tensor, length: int, value) -> Tensor:
         return x if x.size(1) == length else F.pad(x, (0, length - x.size(1)), value=value)
@@ -177,7 +167,7 @@ class StepGraphs:
         if g is None:
             self.stats.eager += 1
             return self.forward_backward(batch)
-        for dst, src in zip(_tensors(g.inputs), _tensors(batch)):
+        for dst, src in zip(g.inputs.tensors(), batch.tensors()):
             dst.copy_(src, non_blocking=True)
         g.graph.replay()
         self.stats.replays += 1
@@ -187,7 +177,7 @@ class StepGraphs:
         t0 = time.perf_counter()
         grads = self.ensure_grads()
         saved = [x.clone() for x in grads]  # the warm-up passes accumulate; the update must not see them
-        inputs = _clone(batch)
+        inputs = batch.map(Tensor.clone)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -221,17 +211,6 @@ class StepGraphs:
             log.info("CUDA graphs: %d buckets captured (train.cuda_graph_max); batches of other shapes run eagerly",
                      self.max_graphs)
         return g
-
-
-def _tensors(batch: Batch) -> list[Tensor]:
-    return [batch.src, batch.src_mask, batch.tgt_in, batch.tgt_out, batch.tgt_mask, batch.ids,
-            *(batch.extras[k] for k in sorted(batch.extras))]
-
-
-def _clone(batch: Batch) -> Batch:
-    return Batch(src=batch.src.clone(), src_mask=batch.src_mask.clone(), tgt_in=batch.tgt_in.clone(),
-                 tgt_out=batch.tgt_out.clone(), tgt_mask=batch.tgt_mask.clone(), ids=batch.ids.clone(),
-                 extras={k: v.clone() for k, v in batch.extras.items()}, _n_tgt_tokens=batch.n_tgt_tokens)
 
 
 __all__ = ["LEN_MULTIPLE", "ROWS_MULTIPLE", "GraphStats", "StepGraphs", "bucket_shape", "pad_batch", "pad_to_bucket",

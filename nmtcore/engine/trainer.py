@@ -20,6 +20,7 @@ optim, phases, stopping, summary, warm_start).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -174,8 +175,8 @@ class Trainer:
                 log.info("train.cuda_graphs: trains eagerly: %s", reason)
             else:
                 self.model.zero_grad(set_to_none=True)  # the graphs allocate the gradients they write
-                self.graphs = StepGraphs(self._forward_backward, list(self.model.parameters()),
-                                         self.cfg.train.cuda_graph_max)
+                self.graphs = StepGraphs(functools.partial(self._forward_backward, self.model, cache=False),
+                                         list(self.model.parameters()), self.cfg.train.cuda_graph_max)
 
     # ------------------------------------------------------------------ phases
     def log_schedule(self) -> None:
@@ -257,11 +258,12 @@ class Trainer:
     def _grads(self) -> list[Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
-    def _forward_backward(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """One batch's forward and backward passes through :attr:`model` (what :attr:`graphs` captures): the
-        summed loss and NLL, detached. Autocast's weight cache is off (a capture cannot keep it)."""
-        with autocast(self.amp_dtype, self.device, cache=False):
-            out = self.model(batch)
+    def _forward_backward(self, module: torch.nn.Module, batch: Batch, cache: bool = True) -> tuple[Tensor, Tensor]:
+        """One batch's forward and backward passes through ``module`` (the training module, or under
+        :attr:`graphs` the model itself, with autocast's weight cache off: a capture cannot keep it): the summed
+        loss and NLL, detached."""
+        with autocast(self.amp_dtype, self.device, cache=cache):
+            out = module(batch)
         lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id, batch.n_tgt_tokens)
         lo.loss.backward()
         return lo.loss.detach(), lo.nll.detach()
@@ -277,18 +279,13 @@ class Trainer:
         n_tokens = 0
         for i, batch in enumerate(batches):
             if self.graphs is not None:
-                sums += torch.stack(self.graphs.run(batch)).double()
-                n_tokens += batch.n_tgt_tokens
-                continue
-            sync = self.world_size == 1 or i == len(batches) - 1
-            ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
-            with ctx:
-                with autocast(self.amp_dtype, self.device):
-                    out = self.ddp_model(batch)
-                lo = training_loss(out, batch.tgt_out, self.cfg.train, self.data.vocab.pad_id, batch.n_tgt_tokens)
-                lo.loss.backward()
-            sums += torch.stack([lo.loss.detach(), lo.nll.detach()]).double()
-            n_tokens += lo.n_tokens
+                loss, nll = self.graphs.run(batch)
+            else:
+                sync = self.world_size == 1 or i == len(batches) - 1
+                with contextlib.nullcontext() if sync else self.ddp_model.no_sync():
+                    loss, nll = self._forward_backward(self.ddp_model, batch)
+            sums += torch.stack([loss, nll]).double()
+            n_tokens += batch.n_tgt_tokens
         loss_sum, nll_sum = sums.tolist()
         bits = loss_sum / max(n_tokens, 1) / math.log(2)
         if diverged(bits):

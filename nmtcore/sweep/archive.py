@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,25 @@ MAX_ARTIFACT_BYTES = 4 << 20
 _DROPPED_TAGS = (PARENT_RUN_TAG, "mlflow.runName")
 
 
-def export_sweep(sweep: str, out: str | os.PathLike, tracking_uri: str | os.PathLike | None = None) -> Path:
-    """Write sweep ``sweep`` (name or parent run id) of the store at ``tracking_uri`` to ``out`` (gzip'd JSON);
-    returns the path."""
+@dataclass(frozen=True)
+class Archived:
+    """What an export or an import moved: the sweep's name, its trial runs, and where it went (the file, or the
+    new parent run's id)."""
+
+    sweep: str
+    trial_runs: int
+    where: str
+
+
+def export_sweep(sweep: str, out: str | os.PathLike, tracking_uri: str | os.PathLike | None = None) -> Archived:
+    """Write sweep ``sweep`` (name or parent run id) of the store at ``tracking_uri`` to ``out`` (gzip'd JSON)."""
     uri = tracking.resolve_tracking_uri(tracking_uri)
     parent = find_sweep_run(sweep, uri)
     runs = [parent, *sweep_children(parent.run_id, uri)]
     doc = {"format": FORMAT, "sweep": parent.tags.get(SWEEP_TAG, sweep), "exported": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "source": uri, "runs": [_run_record(r, uri) for r in runs]}
-    path = Path(out)
-    atomic_write_bytes(path, gzip.compress(json.dumps(doc, sort_keys=True).encode("utf-8"), mtime=0))
-    return path
+    atomic_write_bytes(Path(out), gzip.compress(json.dumps(doc, sort_keys=True).encode("utf-8"), mtime=0))
+    return Archived(doc["sweep"], len(runs) - 1, os.fspath(out))
 
 
 def _run_record(run: tracking.RunRecord, uri: str) -> dict[str, Any]:
@@ -77,9 +86,9 @@ def read_archive(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def import_sweep(path: str | os.PathLike, tracking_uri: str | os.PathLike | None = None,
-                 experiment: str = DEFAULT_EXPERIMENT) -> str:
-    """Recreate the sweep exported to ``path`` in the store at ``tracking_uri``; returns its new parent run id.
-    Refuses a store that already has a sweep of that name."""
+                 experiment: str = DEFAULT_EXPERIMENT) -> Archived:
+    """Recreate the sweep exported to ``path`` in the store at ``tracking_uri`` (``where``: its new parent run
+    id). Refuses a store that already has a sweep of that name."""
     doc = read_archive(path)
     uri = tracking.resolve_tracking_uri(tracking_uri)
     name = doc["sweep"]
@@ -97,9 +106,14 @@ def import_sweep(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     for rec in trials:
         child = parent.child(run_name=rec["run_name"], tags={**rec["tags"], IMPORTED_FROM_TAG: rec["run_id"]})
         _fill(child, rec)
-        child.end(rec["status"] if rec["status"] in ("FINISHED", "FAILED", "KILLED") else "KILLED")
-    parent.end(first["status"] if first["status"] in ("FINISHED", "FAILED", "KILLED") else "KILLED")
-    return parent.run_id
+        child.end(_end_status(rec))
+    parent.end(_end_status(first))
+    return Archived(name, len(trials), parent.run_id)
+
+
+def _end_status(rec: dict[str, Any]) -> str:
+    """The run's recorded end status; one exported while still running is ended KILLED."""
+    return rec["status"] if rec["status"] in ("FINISHED", "FAILED", "KILLED") else "KILLED"
 
 
 def _fill(run: tracking.Tracker, rec: dict[str, Any]) -> None:
@@ -122,4 +136,4 @@ def _fill(run: tracking.Tracker, rec: dict[str, Any]) -> None:
         run.log_text(text, name)
 
 
-__all__ = ["IMPORTED_FROM_TAG", "export_sweep", "import_sweep", "read_archive"]
+__all__ = ["IMPORTED_FROM_TAG", "Archived", "export_sweep", "import_sweep", "read_archive"]

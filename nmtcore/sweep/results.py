@@ -218,10 +218,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         if g.still_improving:
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): it stopped before it converged")
-    converged = recorded.baseline_converged
-    if len(records) > 1:
-        flags = [r.baseline_converged for r in records]
-        converged = False if False in flags else (None if None in flags else True)
+    flags = [r.baseline_converged for r in records]  # pooled: any sweep's False, else any unknown, else True
+    converged = False if False in flags else (None if None in flags else True)
     if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
