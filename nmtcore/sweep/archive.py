@@ -54,12 +54,14 @@ def export_sweep(sweep: str, out: str | os.PathLike, tracking_uri: str | os.Path
     parent = find_sweep_run(sweep, uri)
     runs = [parent, *sweep_children(parent.run_id, uri)]
     doc = {"format": FORMAT, "sweep": parent.tags.get(SWEEP_TAG, sweep), "exported": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "source": uri, "runs": [_run_record(r, uri) for r in runs]}
+           "source": uri, "runs": [run_record(r, uri) for r in runs]}
     atomic_write_bytes(Path(out), gzip.compress(json.dumps(doc, sort_keys=True).encode("utf-8"), mtime=0))
     return Archived(doc["sweep"], len(runs) - 1, os.fspath(out))
 
 
-def _run_record(run: tracking.RunRecord, uri: str) -> dict[str, Any]:
+def run_record(run: tracking.RunRecord, uri: str) -> dict[str, Any]:
+    """What the archive keeps of ``run``: its name, status, params, tags (but MLflow's own), every metric's
+    history and the text artifacts a report reads."""
     artifacts = {}
     for name in tracking.list_artifacts(run.run_id, uri):
         if name.startswith(ARTIFACT_DIRS) or name in ARTIFACT_FILES:
@@ -102,10 +104,10 @@ def import_sweep(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     first, *trials = doc["runs"]
     parent = tracking.Tracker(uri, experiment=experiment, run_name=first["run_name"], strict=True,
                               tags={**first["tags"], IMPORTED_FROM_TAG: first["run_id"]})
-    _fill(parent, first)
+    fill_run(parent, first)
     for rec in trials:
         child = parent.child(run_name=rec["run_name"], tags={**rec["tags"], IMPORTED_FROM_TAG: rec["run_id"]})
-        _fill(child, rec)
+        fill_run(child, rec)
         child.end(_end_status(rec))
     parent.end(_end_status(first))
     return Archived(name, len(trials), parent.run_id)
@@ -116,7 +118,7 @@ def _end_status(rec: dict[str, Any]) -> str:
     return rec["status"] if rec["status"] in ("FINISHED", "FAILED", "KILLED") else "KILLED"
 
 
-def _fill(run: tracking.Tracker, rec: dict[str, Any]) -> None:
+def fill_run(run: tracking.Tracker, rec: dict[str, Any]) -> None:
     """Params, every metric's history (a step logged twice stays twice, in order) and the artifacts of ``rec``."""
     if rec["params"]:
         run.log_params(rec["params"])
@@ -136,4 +138,4 @@ def _fill(run: tracking.Tracker, rec: dict[str, Any]) -> None:
         run.log_text(text, name)
 
 
-__all__ = ["IMPORTED_FROM_TAG", "Archived", "export_sweep", "import_sweep", "read_archive"]
+__all__ = ["IMPORTED_FROM_TAG", "Archived", "export_sweep", "fill_run", "import_sweep", "read_archive", "run_record"]

@@ -77,12 +77,14 @@ class Baseline:
         return str(self.meta.get("fit", {}).get("stopped_by", "schedule"))
 
 
-def code_digest() -> str:
-    """SHA-256 over the syntax trees (docstrings dropped) of the modules in :data:`CODE`."""
+def code_digest(entries: tuple[str, ...] = CODE, exclude: tuple[str, ...] = ()) -> str:
+    """SHA-256 over the syntax trees (docstrings dropped) of the modules in ``entries`` (files or folders,
+    relative to the repository; default :data:`CODE`) but those under ``exclude``."""
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
-    files = sorted(p for entry in CODE for p in ((root / entry).rglob("*.py") if (root / entry).is_dir()
-                                                   else [root / entry]))
+    files = sorted(p for entry in entries for p in ((root / entry).rglob("*.py") if (root / entry).is_dir()
+                                                      else [root / entry])
+                   if not p.relative_to(root).as_posix().startswith(exclude))
     for path in files:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):

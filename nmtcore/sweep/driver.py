@@ -130,7 +130,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         if made is not None:
             base = base.with_overrides({"train.init_from": str(made.path)})
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
-        ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env)
+        ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env, data)
         interrupted, trials, report_files = _run_trials(ctx, space, base, settings, parent, exp_dir, state,
                                                        on_trial_end, dashboard_url, clock)
     finally:
@@ -254,7 +254,7 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
 
 def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, parent: tracking.Tracker,
              exp_dir: str, footprints: Mapping[str, BertFootprint], trial_callbacks: Sequence[Callback],
-             worker_env: Mapping[str, str]) -> ray_backend.SweepContext:
+             worker_env: Mapping[str, str], data: Mapping[str, str] | None = None) -> ray_backend.SweepContext:
     """What every trial is launched with (:class:`~nmtcore.sweep.ray_backend.SweepContext`)."""
     workers = settings.workers_per_trial
     # A one-worker CPU trial trains in its Tune actor where that actor starts on the trials' allocator (Ray was
@@ -278,7 +278,7 @@ def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
         bert_footprints=dict(footprints), trial_memory_bytes=trial_memory_bytes(space, base, footprints),
         borrow_idle_cpus=settings.borrow_idle_cpus and one_cpu_worker,
         borrow_check_s=settings.borrow_check_s, worker_env=dict(worker_env),
-        in_actor=in_actor)
+        in_actor=in_actor, data_checksums=dict(data or {}), reuse_trials=settings.reuse_trials)
 
 
 def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,

@@ -156,6 +156,10 @@ def render_markdown(report: SweepReport) -> str:
         head += [f"Pooled over the sweeps {', '.join(f'`{n}`' for n in report.pooled)}: their runs of the same "
                  "configuration are one row, each seed once (the parent run above is the first sweep's). Each "
                  "sweep's own report has its cost estimate and time split.", ""]
+    if report.reused():
+        head += ["Trained before, copied into this sweep, not trained again (the same config, seed, code, data and "
+                 "starting weights; their cost columns are the original runs'): " + "; ".join(report.reused()) + ".",
+                 ""]
     if report.estimate:
         est = report.estimate
         phases = "; ".join(f"{p['name']} {p['seconds'] / 60:.1f} min" for p in est.get("phases", []))
@@ -243,7 +247,8 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
-            "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled}
+            "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
+            "reused": report.reused()}
 
 
 def _sd(xs: list[float]) -> float | None:

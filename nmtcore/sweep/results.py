@@ -126,6 +126,12 @@ class SweepReport:
         runs = [r["seconds"] for r in (self.estimate or {}).get("runs", []) if r["config_key"] == group.config_key]
         return sum(runs) / len(runs) if runs else None
 
+    def reused(self) -> list[str]:
+        """The trials copied from a run trained before (:mod:`nmtcore.sweep.reuse`): each copy's name, the sweep and
+        run it copies."""
+        return [f"`{r.run_name}` is `{r.tags.get(schema.REUSED_FROM_SWEEP, '?')}`'s run `{r.tags[schema.REUSED_FROM]}`"
+                for g in self.groups for r in g.runs if r.tags.get(schema.REUSED_FROM)]
+
     def unconverged_runs(self) -> dict[str, int]:
         """The completed runs (arms and control) that did not converge, counted by what stopped them: a rule other
         than patience, or patience while still improving (:data:`IMPROVING`)."""

@@ -60,6 +60,8 @@ class SweepSettings:
         address: an existing Ray cluster to join (``ray://`` or ``host:port``); ``None`` = start a
             local one (or use the one this process already started).
         resume: continue the sweep ``<storage>/<name>`` instead of starting one.
+        reuse_trials: copy a finished trial of any sweep in the store whose reuse key is this trial's instead of
+            training it again (:mod:`nmtcore.sweep.reuse`).
         estimate: print (and log to the parent run as ``estimate.json``) what the baseline and the trials will
             cost here once the shared work is done (:mod:`nmtcore.sweep.cost`); ``None`` counts as no.
         dashboard: start the Ray dashboard (local clusters only), on ``dashboard_host``.
@@ -101,6 +103,9 @@ class SweepSettings:
     worker_start_timeout_s: float = 120.0
     address: str | None = option(None, "join this Ray cluster (host:port) instead of starting a local one")
     resume: bool = option(False, "continue the interrupted sweep of the same --name")
+    reuse_trials: bool = option(True, "a trial already trained in this MLflow store by any sweep with the same "
+                                      "config, seed, code, data and starting weights is copied into this sweep "
+                                      "instead of trained again (nmtcore.sweep.reuse)")
     estimate: bool | None = option(None, "before the baseline and the trials, measure this machine's speed on every "
                                          "distinct trial model (a few updates each) and print what they will cost "
                                          "(default: real runs yes, smoke tests and resumed sweeps no)")

@@ -113,6 +113,8 @@ class SweepContext:
     trial_memory_bytes: int = 0  # the largest trial's estimate (sets how many run at once)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # the training processes' (allocator preload)
     in_actor: bool = False  # a one-worker CPU trial trains in its Tune actor (SweepSettings.trial_in_actor)
+    data_checksums: Mapping[str, str] = field(default_factory=dict)  # of the prepared data (a reuse key's part)
+    reuse_trials: bool = False  # copy a trial trained before with the same reuse key (nmtcore.sweep.reuse)
 
     def trial_estimate(self, cfg: ExperimentConfig) -> MemoryEstimate:
         """The memory estimate of the trial that trains ``cfg`` (its BERT's footprint included)."""
@@ -147,6 +149,9 @@ def final_metrics_from_run(run: tracking.RunRecord) -> dict[str, Any]:
     metrics["deduplicated"] = 1.0
     if run.tags.get(schema.STOPPED_BY):
         metrics["stopped_by"] = run.tags[schema.STOPPED_BY]
+    if run.tags.get(schema.REUSED_FROM):
+        metrics["reused_from"] = run.tags[schema.REUSED_FROM]
+        metrics["reused_from_sweep"] = run.tags.get(schema.REUSED_FROM_SWEEP, "?")
     return metrics
 
 

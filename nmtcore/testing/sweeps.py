@@ -19,7 +19,10 @@ def tiny_base(tmp: Path, **overrides: Any) -> ExperimentConfig:
 
 
 def tiny_settings(tmp: Path, name: str, uri: str, **kw: Any) -> SweepSettings:
-    """Settings of a quiet sweep named ``name`` with its results and report under ``tmp``."""
+    """Settings of a quiet sweep named ``name`` with its results and report under ``tmp``. It trains every trial
+    unless ``reuse_trials=True``: a test module's sweeps share one store, and a trial of one test would otherwise
+    be copied into the next (:mod:`nmtcore.sweep.reuse`)."""
+    kw.setdefault("reuse_trials", False)
     return SweepSettings(name=name, storage=str(tmp / "ray_results"), tracking_uri=uri, verbose=0,
                          report_dir=str(tmp / "report"), experiment=name, **kw)
 

@@ -61,6 +61,9 @@ FAILURE_KIND = "nmtcore.failure_kind"  # "nonfinite": deterministic, not worth a
 TUNE_STATUS = "nmtcore.tune_status"
 TUNE_TRIAL_ID = "nmtcore.tune_trial_id"
 IMPORTED_FROM = "nmtcore.imported_from"  # on a run made by ``nmtcore import``: the id of the run it copies
+REUSE_KEY = "nmtcore.reuse_key"  # what decides a trial's results (:mod:`nmtcore.sweep.reuse`)
+REUSED_FROM = "nmtcore.reused_from"  # on a trial copied from an earlier one with its reuse key: that run's id
+REUSED_FROM_SWEEP = "nmtcore.reused_from_sweep"  # ...and that run's sweep
 ARM = "nmtcore.arm"  # "control", or the arm's name ("L2-H128", "p_net=0.3", an ablation arm's name)
 CONTROL = "nmtcore.control"  # "true" on the control arm's runs
 STUDY = "nmtcore.study"

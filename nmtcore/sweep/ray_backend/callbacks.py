@@ -144,6 +144,11 @@ class _TrialsConsole(tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         result = trial.last_result or {}
         epoch, rule = self._epoch(trial), result.get("stopped_by")
+        if result.get("reused_from"):  # trained before by another sweep: copied (nmtcore.sweep.reuse)
+            self._say(f"trial {self.name_of(trial)}: copied, not trained again: run {result['reused_from']} of sweep "
+                      f"{result.get('reused_from_sweep', '?')} trained the same config with the same seed, code, data "
+                      f"and starting weights (stopped after epoch {epoch}{f' by {rule}' if rule else ''})")
+            return
         if rule:  # the trial trained to its end: its own stopping rule (or cap, or schedule) ended it
             best = f", best epoch {int(result['best_epoch'])}" if result.get("best_epoch") else ""
             how = f"done after epoch {epoch}: stopped by {rule}{best}"

@@ -30,6 +30,7 @@ from nmtcore.engine import (
     Trainer,
     run_experiment,
 )
+from nmtcore.sweep import reuse
 from nmtcore.sweep.lifecycle import (
     FAILURE_KIND_TAG,
     TRIAL_STATE_TAG,
@@ -124,11 +125,22 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         raise TrialOutOfMemoryError(existing.tags.get(tracking.FAILURE_REASON_TAG, "out of memory"))
     point, control = trial_point(ctx.space, config)
     name = run_name(point, control, overrides.get(SEED_KEY, ctx.base_seed))
-    run_id, _ = open_child_run(ctx.parent_run_id, key, name, ctx.child_tags(overrides, point, control),
-                               ctx.tracking_uri, params=ctx.child_params(point, control))
     trial_id = tune.get_context().get_trial_id()
-    set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri, tags={schema.TUNE_TRIAL_ID: trial_id})
     cfg = trial_config(ctx.base, overrides, Path(ctx.scratch_dir) / key, ctx.threads_per_worker)
+    tags = ctx.child_tags(overrides, point, control)
+    rkey = _reuse_key(cfg, ctx)
+    if rkey:
+        tags[reuse.REUSE_KEY_TAG] = rkey
+    source = reuse.find_trained(rkey, ctx.tracking_uri) if rkey and existing is None and ctx.reuse_trials else None
+    if source is not None:  # trained before, by this sweep's rules the same trial: copied, not trained again
+        copied = reuse.copy_trial(source, ctx.parent_run_id, key, name, {**tags, schema.TUNE_TRIAL_ID: trial_id},
+                                  ctx.child_params(point, control), ctx.tracking_uri)
+        tune.report(final_metrics_from_run(tracking.get_run(copied, ctx.tracking_uri)))
+        return
+    run_id, _ = open_child_run(ctx.parent_run_id, key, name, tags, ctx.tracking_uri,
+                               params=ctx.child_params(point, control))
+    set_trial_state(run_id, TrialState.RUNNING, ctx.tracking_uri,
+                    tags={schema.TUNE_TRIAL_ID: trial_id, **({reuse.REUSE_KEY_TAG: rkey} if rkey else {})})
     memory = ctx.trial_estimate(cfg)
     tracking.set_run_tags(run_id, {MEMORY_TAG: f"{memory.total / GIB:.2f}"}, ctx.tracking_uri)
     launch = TrialLaunch(cfg=cfg, run_id=run_id, tracking_uri=ctx.tracking_uri, trial_key=key, trial_id=trial_id,
@@ -157,6 +169,16 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
         if oom:
             raise TrialOutOfMemoryError(reason) from None
         raise
+
+
+def _reuse_key(cfg: Any, ctx: SweepContext) -> str:
+    """The trial's reuse key (:func:`nmtcore.sweep.reuse.reuse_key`); "" where it cannot be made (the trial then
+    trains, untagged, and no later trial copies it)."""
+    try:
+        return reuse.reuse_key(cfg, ctx.data_checksums, "cuda" if ctx.gpus_per_worker > 0 else "cpu")
+    except Exception as e:  # noqa: BLE001 - a key is an economy: the trial is not at stake
+        logging.getLogger("nmtcore.sweep").warning("trial %s: no reuse key: %s: %s", cfg.name, type(e).__name__, e)
+        return ""
 
 
 def _trainer(ctx: SweepContext, key: str, memory_bytes: int, loop_config: dict[str, Any]) -> TrialTrainer:

