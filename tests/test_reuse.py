@@ -11,7 +11,7 @@ import torch
 
 from nmtcore import tracking
 from nmtcore.config import preset
-from nmtcore.sweep import driver, lifecycle, reuse
+from nmtcore.sweep import cost, driver, lifecycle, reuse
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from nmtcore.tracking import schema
 from search_spaces import SearchSpace, grid
@@ -64,8 +64,14 @@ def test_a_second_sweep_copies_the_trial_the_first_trained(ray_cluster, store, t
     capsys.readouterr()
 
     second = SearchSpace("reuse", "b", "transformer", params={"model.d_model": grid((48, 64))})
-    result = driver.run_sweep(second, base, tiny_settings(tmp_path / "b", "reuse-b", store, reuse_trials=True),
-                              log_to_driver=False)
+    settings = tiny_settings(tmp_path / "b", "reuse-b", store, reuse_trials=True)
+    # Its estimate knows: one trial to train, one to copy.
+    est = cost.dry_run(second, base, settings, progress=lambda line: None)
+    trials = next(p for p in est.phases if p.name == "trials")
+    assert len(est.runs) == 1 and trials.detail.startswith("1 trials (and 1 trained before: copied"), trials
+    off = cost.dry_run(second, base, dataclasses.replace(settings, reuse_trials=False), progress=lambda line: None)
+    assert len(off.runs) == 2
+    result = driver.run_sweep(second, base, settings, log_to_driver=False)
     assert not result.interrupted
     (parent,), children = runs_of("reuse-b", store)
     by_d = {c.params["model.d_model"]: c for c in children}

@@ -153,10 +153,10 @@ def makespan(durations: Sequence[float], slots: int) -> tuple[float, int]:
 
 def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, baseline_done: bool,
              trials: Sequence[RunCost], slots: int, machine: str, baseline_epochs_done: int = 0,
-             keys: Sequence[str] = ()) -> Estimate:
+             keys: Sequence[str] = (), copied: int = 0) -> Estimate:
     """The phases: the shared work (``(what, seconds)`` each, run one after another), the baseline (reused
     when ``baseline_done``; ``baseline_epochs_done`` of a started one are not trained again), the trials in
-    waves on ``slots``."""
+    waves on ``slots`` (``copied``: more trials, trained before, that the sweep copies: no time)."""
     phases = [Phase("shared work", sum(s for _, s in shared),
                     "; ".join(f"{what} {duration(s)}" for what, s in shared) or "all cached")]
     if baseline is not None:
@@ -173,7 +173,8 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
         kinds[(t.epochs, t.epochs_from)] = kinds.get((t.epochs, t.epochs_from), 0) + 1
     epochs = "; ".join(f"{n} trial{'s' * (n > 1)} x {e:g} epochs ({why})" for (e, why), n in kinds.items())
     per = [t.epoch_s for t in trials]
-    phases.append(Phase("trials", total, f"{len(trials)} trials, {slots} at once ({waves} waves); an epoch "
+    again = f" (and {copied} trained before: copied, not trained again)" if copied else ""
+    phases.append(Phase("trials", total, f"{len(trials)} trials{again}, {slots} at once ({waves} waves); an epoch "
                                          f"{duration(min(per, default=0))}-{duration(max(per, default=0))}; {epochs}"))
     return Estimate(tuple(phases), machine, tuple(zip(keys, (t.seconds for t in trials))))
 
@@ -410,6 +411,13 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         rate = feature_rate(layer, stream, int(cpus))
         shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
 
+    start = _start_weights(space, base, settings, baseline, data.checksums)
+    copied = [i for i, (_, cfg) in enumerate(runs) if i < len(keys) and start is not None and settings.reuse_trials
+              and _trained_before(cfg.with_overrides({"train.init_from": start}), data.checksums, settings)]
+    if copied:
+        progress(f"dry run: {len(copied)} trial(s) trained before in this store: copied, not trained again")
+    runs = [r for i, r in enumerate(runs) if i not in copied]
+    keys = [k for i, k in enumerate(keys) if i not in copied]
     tokens, valid_n = epoch_tokens(data), len(data.valid)
     test_n = sum(len(data.splits[name]) for name in base.data.test_splits)
     costs: list[RunCost] = []
@@ -438,4 +446,32 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
             base_cost = RunCost("baseline", 0, 0.0, 0.0, "in the store")
     if shared_s is not None:
         shared = [("done in", shared_s)]
-    return estimate(shared, base_cost, done, costs, slots, machine_line(), done_epochs, keys)
+    return estimate(shared, base_cost, done, costs, slots, machine_line(), done_epochs, keys, copied=len(copied))
+
+
+def _start_weights(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None,
+                   checksums: Mapping[str, str]) -> str | None:
+    """The weights the trials will start from, as ``train.init_from``: the stored baseline's (a warm-starting
+    protocol), the base config's own (none: ""), or None while the baseline is still to train."""
+    if space.protocol is None or not space.protocol.warm_start:
+        return base.train.init_from
+    from nmtcore.sweep.baseline import baseline_key, default_root, find_baseline
+    from nmtcore.sweep.plan import baseline_config
+
+    bcfg = baseline or baseline_config(space, base)
+    root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
+    found = find_baseline(root, baseline_key(bcfg, checksums))
+    return None if found is None else str(found.path)
+
+
+def _trained_before(cfg: ExperimentConfig, checksums: Mapping[str, str], settings: Any) -> bool:
+    """Whether a finished trial in the store has the reuse key of the trial that trains ``cfg``
+    (:mod:`nmtcore.sweep.reuse`): the sweep will copy it."""
+    from nmtcore import tracking
+    from nmtcore.sweep import reuse
+
+    try:
+        key = reuse.reuse_key(cfg, checksums, "cuda" if settings.gpus_per_trial > 0 else "cpu")
+        return reuse.find_trained(key, tracking.resolve_tracking_uri(settings.tracking_uri)) is not None
+    except (OSError, tracking.TrackingError):
+        return False
