@@ -267,7 +267,8 @@ def sec_profile() -> None:
 
 
 def sec_graphs() -> None:
-    """``train.cuda_graphs`` against eager steps, fp32 and bf16, at the trainer's batches and 4x larger ones.
+    """``train.cuda_graphs`` against eager steps, fp32 and bf16, at the trainer's batches and 4x larger ones, for the
+    baseline or (``--graphs-model bert_fused``) BERT-fused with drop-net.
     First, with dropout off, the losses of the same five updates from the same initial weights (a graph must
     replay the eager step). Then, as a trial trains: the first epoch (every bucket captured in it; the captures'
     count and cost), tokens/s over ``--steps`` steps after it, peak memory, and over 10 steps under
@@ -277,18 +278,25 @@ def sec_graphs() -> None:
         return
     from nmtcore.engine.graphs import pad_to_bucket
 
+    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
     data = prepare_data(base_cfg().data)
+
+    def graphs_cfg(**over):
+        return ensure_bert(base_cfg(**model, **over)) if model else base_cfg(**over)
+
     # 0. Which op, if any, makes the host wait inside a forward and backward pass (a capture would fail there).
-    trainer = build_trainer(base_cfg(**{"train.precision": "bf16"}), data, device=ARGS.device)
+    trainer = build_trainer(graphs_cfg(**{"train.precision": "bf16"}), data, device=ARGS.device)
+    data = trainer.data  # with the BERT stream (and its cached features) the model reads
     batch = pad_to_bucket(next(iter(trainer.train_batches(epoch=1))).to("cpu"), data.vocab.pad_id).to(ARGS.device)
     sync()
     torch.cuda.set_sync_debug_mode("error")
     try:
         trainer._forward_backward(trainer.model, batch, cache=False)
-        result("graphs", check="no host sync in a bf16 forward and backward", ok=True)
+        result("graphs", model=ARGS.graphs_model, check="no host sync in a bf16 forward and backward", ok=True)
     except RuntimeError as e:
         traceback.print_exc()
-        result("graphs", check="no host sync in a bf16 forward and backward", ok=False, error=str(e)[:300])
+        result("graphs", model=ARGS.graphs_model, check="no host sync in a bf16 forward and backward", ok=False,
+               error=str(e)[:300])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     trainer = None
@@ -298,8 +306,8 @@ def sec_graphs() -> None:
         losses, weights = {}, {}
         for graphed in (False, True):
             torch.manual_seed(1)
-            cfg = base_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
-                              "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
+            cfg = graphs_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
+                                "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
             trainer = build_trainer(cfg, data, device=ARGS.device)
             assert (trainer.graphs is not None) == graphed, "train.cuda_graphs did not take effect"
             batches = take(trainer, 5 * freq)
@@ -314,17 +322,18 @@ def sec_graphs() -> None:
             trainer = None
         diff = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
         wdiff = max(float((weights[True][k] - w).abs().max()) for k, w in weights[False].items())
-        result("graphs", check="same updates, dropout off", precision=precision, batches_per_update=freq,
+        result("graphs", model=ARGS.graphs_model, check="same updates, dropout off", precision=precision,
+               batches_per_update=freq,
                eager=losses[False], graphed=losses[True], max_rel_diff=diff, max_abs_weight_diff=wdiff)
     if ARGS.graphs_check_only:
         return
-    for precision in ("fp32", "bf16"):
+    for precision in ARGS.graphs_precisions.split(","):
         # 2. Speed, as a trial trains (dropout on).
-        for scale in (1, 4):
-            row = {"precision": precision, "max_tokens": 4096 * scale}
+        for scale in (int(x) for x in ARGS.graphs_scales.split(",")):
+            row = {"model": ARGS.graphs_model, "precision": precision, "max_tokens": 4096 * scale}
             for graphed in (False, True):
-                cfg = base_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed,
-                                  "data.max_tokens": 4096 * scale})
+                cfg = graphs_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed,
+                                    "data.max_tokens": 4096 * scale})
                 reset_peak()
                 trainer = build_trainer(cfg, data, device=ARGS.device)
                 sync()
@@ -543,6 +552,10 @@ def main() -> int:
     p.add_argument("--translate-epochs", type=int, default=30, help="the translate section's training")
     p.add_argument("--graphs", action="store_true", help="train.cuda_graphs in the trials section's trials")
     p.add_argument("--graphs-check-only", action="store_true", help="the graphs section's checks, not its timings")
+    p.add_argument("--graphs-model", default="baseline", choices=["baseline", "bert_fused"],
+                   help="the model of the graphs section (bert_fused: drop-net planned on the host)")
+    p.add_argument("--graphs-precisions", default="fp32,bf16", help="the graphs section's timed precisions")
+    p.add_argument("--graphs-scales", default="1,4", help="its batch sizes, in multiples of 4096 tokens")
     p.add_argument("--trial-graphs", action="store_true",
                    help="the trials and translate sections both without and with graphs")
     p.add_argument("--trial-precision", default="", help="the trials' precision (default: bf16 where there is one)")

@@ -24,10 +24,15 @@ Not bit-identical to eager training: the dropout masks differ (each capture's wa
 generator), so a run resumed from a checkpoint, which captures its graphs again, does not repeat the
 uninterrupted run's updates exactly as an eager run does. That is why it is off by default.
 
+A forward that draws on the host (BERT-fused's drop-net) declares its draws (``NMTModel.graph_draws``): they are
+drawn on the host before each batch, as an eager forward would draw them, and copied to a device tensor the
+graph reads; the graph computes both branches and weighs them (:mod:`nmtcore.nn.drop_net`). The BERT stream of a
+batch (its WordPiece ids, mask and cached features) is padded to a multiple of :data:`LEN_MULTIPLE` too.
+
 What is not graphed runs eagerly as before, with the reason logged once (:func:`why_not`): a CPU, DDP,
 ``train.compile``, KD (``train.kd_alpha < 1``: its mask is a data-dependent gather), a model family not
-declared capture-safe (``NMTModel.cuda_graph_safe``: its forward draws or decides on the host, e.g. drop-net's
-branch), more buckets than ``train.cuda_graph_max``, or a capture that fails.
+declared capture-safe (``NMTModel.cuda_graph_safe``: its forward decides on the host in a way it does not plan,
+or was not checked), more buckets than ``train.cuda_graph_max``, or a capture that fails.
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ from nmtcore.data import Batch
 if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
     from nmtcore.models import NMTModel
+    from nmtcore.nn.drop_net import PlannedDraws
 
 log = logging.getLogger("nmtcore.engine")
 
 LEN_MULTIPLE = 8  # source and target lengths are padded up to a multiple of this
 ROWS_MULTIPLE = 16  # and the number of rows
 WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy CUDA state: cuBLAS handles, workspaces)
+# The BERT stream's tensors (nmtcore.data.batching.bert_extras) and what their new positions hold: masked padding.
+BERT_STREAM_PAD = {"bert_ids": 0, "bert_mask": True, "bert_segments": 0, "bert_features": 0.0}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -83,11 +91,23 @@ def pad_batch(batch: Batch, rows: int, src_len: int, tgt_len: int, pad_id: int) 
         batch.tgt_out[b:] = pad_id
 
     def longer(x: Tensor, length: int, value) -> Tensor:
-        return x if x.size(1) == length else F.pad(x, (0, length - x.size(1)), value=value)
+        if x.size(1) == length:
+            return x
+        if x.dim() > 2:  # (B, T, ...): F.pad pads the last dimensions first
+            return torch.cat([x, x.new_full((x.size(0), length - x.size(1), *x.shape[2:]), value)], dim=1)
+        return F.pad(x, (0, length - x.size(1)), value=value)
 
+    extras = dict(batch.extras)
+    if "bert_mask" in extras:  # the BERT stream: its length up to a multiple too, new positions padding
+        tb = round_up(extras["bert_mask"].size(1), LEN_MULTIPLE)
+        for name, value in BERT_STREAM_PAD.items():
+            if name in extras:
+                extras[name] = longer(extras[name], tb, value)
+    if "bert_align" in extras:  # per source position: new positions get empty WordPiece spans
+        extras["bert_align"] = longer(extras["bert_align"], src_len, 0)
     return Batch(src=longer(batch.src, src_len, pad_id), src_mask=longer(batch.src_mask, src_len, True),
                  tgt_in=longer(batch.tgt_in, tgt_len, pad_id), tgt_out=longer(batch.tgt_out, tgt_len, pad_id),
-                 tgt_mask=longer(batch.tgt_mask, tgt_len, True), ids=batch.ids, extras=batch.extras,
+                 tgt_mask=longer(batch.tgt_mask, tgt_len, True), ids=batch.ids, extras=extras,
                  _n_tgt_tokens=n)
 
 
@@ -144,8 +164,9 @@ class StepGraphs:
     """
 
     def __init__(self, forward_backward: Callable[[Batch], tuple[Tensor, Tensor]], params: list[Tensor],
-                 max_graphs: int) -> None:
+                 max_graphs: int, draws: "PlannedDraws | None" = None) -> None:
         self.forward_backward = forward_backward
+        self.draws = draws  # the forward's host draws (drop-net), planned before each batch
         self.params = [p for p in params if p.requires_grad]
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
@@ -160,6 +181,8 @@ class StepGraphs:
         return [p.grad for p in self.params]
 
     def run(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        if self.draws is not None:
+            self.draws.plan()
         key = _key(batch)
         g = self.graphs.get(key)
         if g is None and not self.stats.failed and len(self.graphs) < self.max_graphs:
@@ -183,9 +206,11 @@ class StepGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_PASSES):
+                    self._restart()
                     self.forward_backward(inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            self._restart()
             # thread_local: the prefetch thread may pin host memory (a CUDA call) while this thread captures.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 loss, nll = self.forward_backward(inputs)
@@ -201,8 +226,10 @@ class StepGraphs:
             for p, g in zip(self.params, grads):
                 p.grad = g
             torch._foreach_copy_(grads, saved)
+            self._restart()  # the batch runs eagerly on the plan drawn for it
             return None
         torch._foreach_copy_(grads, saved)
+        self._restart()
         g = _Graph(graph=graph, inputs=inputs, loss=loss, nll=nll)
         self.graphs[key] = g
         self.stats.captures += 1
@@ -211,6 +238,11 @@ class StepGraphs:
             log.info("CUDA graphs: %d buckets captured (train.cuda_graph_max); batches of other shapes run eagerly",
                      self.max_graphs)
         return g
+
+
+    def _restart(self) -> None:
+        if self.draws is not None:
+            self.draws.restart()
 
 
 __all__ = ["LEN_MULTIPLE", "ROWS_MULTIPLE", "GraphStats", "StepGraphs", "bucket_shape", "pad_batch", "pad_to_bucket",

@@ -176,7 +176,8 @@ class Trainer:
             else:
                 self.model.zero_grad(set_to_none=True)  # the graphs allocate the gradients they write
                 self.graphs = StepGraphs(functools.partial(self._forward_backward, self.model, cache=False),
-                                         list(self.model.parameters()), self.cfg.train.cuda_graph_max)
+                                         list(self.model.parameters()), self.cfg.train.cuda_graph_max,
+                                         draws=self.model.graph_draws(self.device))
 
     # ------------------------------------------------------------------ phases
     def log_schedule(self) -> None:
@@ -302,7 +303,17 @@ class Trainer:
         if self.cfg.train.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
         lr = self.schedule.apply(self.optimizer, self.state.num_updates)
+        # Graphed drop-net: the branches no batch used have zero gradients; eager training gives them none, so
+        # Adam skips them (no momentum step). None for this step, the graphs' buffers back after it.
+        draws = getattr(self.graphs, "draws", None)
+        unused = draws.unused() if draws is not None else []
+        keep_zeros = getattr(self.cfg.model, "drop_net_zero_grads", False)  # the original code's zero gradients
+        skipped = [] if keep_zeros else [(p, p.grad) for p in unused]
+        for p, _ in skipped:
+            p.grad = None
         self.optimizer.step()
+        for p, g in skipped:
+            p.grad = g
         self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs write into the same gradients
         self.state.num_updates += 1
         return {"loss_sum": loss_sum, "nll_sum": nll_sum, "n_tokens": n_tokens, "lr": lr}

@@ -30,6 +30,9 @@ from nmtcore.config import ExperimentConfig, PhaseConfig
 from nmtcore.nn import DecoderState, EncoderOut
 
 if TYPE_CHECKING:
+    import torch
+
+    from nmtcore.nn.drop_net import PlannedDraws
     from nmtcore.data import Batch, PreparedData
 
 
@@ -147,6 +150,12 @@ class NMTModel(nn.Module):
     def has_kd_teacher(self) -> bool:
         """Whether the model built a BERT teacher for knowledge distillation."""
         return False
+
+    def graph_draws(self, device: "torch.device") -> "PlannedDraws | None":
+        """For CUDA graphs: the host-side draws a training forward makes (drop-net's branches), planned on the host
+        before each forward and read from the device by it (:class:`~nmtcore.nn.drop_net.PlannedDraws`); None: the
+        forward draws nothing."""
+        return None
 
     def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
         """Named ways of switching parts of the model on or off at inference, each a context manager factory;

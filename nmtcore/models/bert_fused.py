@@ -28,7 +28,9 @@ original code:
   gradient, on which Adam still moves the weights by their momentum. At p_net = 1 each branch is off about
   half the time, so the new BERT attention moves less per update than in the original.
   ``model.drop_net_zero_grads=true`` gives a skipped branch a zero gradient (at the cost of one scalar per
-  weight, not the branch), as the original; off by default until the drop-net study has measured it.
+  weight, not the branch), as the original; off by default until the drop-net study has measured it. Under
+  CUDA graphs (``train.cuda_graphs``) both branches run, weighed by the draw, and the switched-off one still
+  gets no Adam step (:class:`~nmtcore.nn.drop_net.PlannedDraws`).
 
 BERT is frozen unless ``model.bert.freeze=false`` (fine-tuning); a frozen BERT's features come from the
 frozen-feature cache (:mod:`nmtcore.bert`).
@@ -47,6 +49,7 @@ from nmtcore.config import BertFusedConfig
 from nmtcore.models.transformer import Transformer
 from nmtcore.nn import (CrossAttention, DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual,
                         SelfAttention, combine)
+from nmtcore.nn.drop_net import PlannedDraws
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -71,7 +74,7 @@ class BertFusedEncoderLayer(nn.Module):
         h = self.self_res.before(x)  # (B, S, C)
         y = combine(lambda: self.self_attn(h, key_padding_mask=mask),  # attn_S (B, S, C)
                     lambda: self.bert_attn(h, bert, bert_mask), w)  # attn_B (B, S, C)
-        if self.zero_grads and self.training:
+        if self.zero_grads and self.training and not isinstance(w[0], Tensor):  # planned: both ran, zeros already
             y = with_zero_grads(y, (self.self_attn, self.bert_attn), w)
         x = self.self_res.after(x, y)  # Eq. 1 / Eq. 3
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
@@ -99,7 +102,7 @@ class BertFusedDecoderLayer(nn.Module):
         h = self.cross_res.before(x)  # (B, T, C)
         y = combine(lambda: self.bert_attn(h, bert, bert_mask, cache=cache, name="bert"),  # attn_B (B, T, C)
                     lambda: self.cross_attn(h, enc, enc_mask, cache=cache, name="enc"), w)  # attn_E (B, T, C)
-        if self.zero_grads and self.training:
+        if self.zero_grads and self.training and not isinstance(w[0], Tensor):
             y = with_zero_grads(y, (self.bert_attn, self.cross_attn), w)
         x = self.cross_res.after(x, y)  # Eq. 2 / Eq. 3 (decoder)
         return self.ffn_res.after(x, self.ffn(self.ffn_res.before(x)))
@@ -124,6 +127,7 @@ class BertFused(Transformer):
     """
 
     bert_role: ClassVar[str] = "input"  # owns its BertLayer (the baseline's KD teacher is not built)
+    cuda_graph_safe: ClassVar[bool] = True  # drop-net planned on the host before each replay (graph_draws)
 
     def __init__(self, cfg: BertFusedConfig, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> None:
         super().__init__(cfg, vocab_size, pad_id, bos_id, eos_id)
@@ -137,6 +141,13 @@ class BertFused(Transformer):
                                             for _ in range(cfg.encoder_layers))
         self.decoder_layers = nn.ModuleList(BertFusedDecoderLayer(cfg, bert_dim)
                                             for _ in range(cfg.decoder_layers))
+
+    def graph_draws(self, device: torch.device) -> PlannedDraws:
+        """Drop-net's draws, planned on the host: per layer, encoder (attn_S, attn_B) then decoder (attn_B,
+        attn_E), in the order a forward draws them."""
+        return PlannedDraws([(self.enc_drop_net, [(l.self_attn, l.bert_attn) for l in self.encoder_layers]),
+                             (self.dec_drop_net, [(l.bert_attn, l.cross_attn) for l in self.decoder_layers])],
+                            device)
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """``bert`` and everything else (``nmt``)."""
