@@ -99,15 +99,16 @@ SPACES = {
     "doc_context_integration": SearchSpace(
         STUDY, "doc_context_integration", "doc_context", defaults={**DEFAULTS, **DOC_DATA}, protocol=WARM_START,
         budget=STAGE, budgets=STAGE_BUDGETS,
+        # The paper's "none" row is the sentence-level Transformer: the control. An arm with integration "none"
+        # would train the control again (the same function, parameters and draws: tests/test_doc_context.py).
         arms={
-            "sentence_level": {"model.context_integration": "none"},
             "encoder": {"model.context_integration": "encoder"},
             "decoder": {"model.context_integration": "decoder"},
             "encoder_decoder": {"model.context_integration": "both"},
         },
         fixed={"model.context_type": "real"},
-        reference="sentence_level", citation="BERT as document-level context encoder (seed 003), Table 3",
-        description="document-context integration: none (sentence-level), encoder, decoder, both"),
+        citation="BERT as document-level context encoder (seed 003), Table 3",
+        description="document-context integration: none (the sentence-level control), encoder, decoder, both"),
     # ...and which context BERT reads (Table 4, Li et al. 2020's protocol): the previous sentence of the
     # document, a sentence of random source-vocabulary words, or one fixed sentence.
     "doc_context_type": SearchSpace(
