@@ -255,6 +255,24 @@ def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_a
     assert store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None).key == newest
 
 
+def test_a_checkout_updated_while_a_baseline_trains_leaves_it_adoptable(tmp_path, monkeypatch):
+    """The code on disk changes while the baseline trains (a merge during a long training): its record keeps the
+    code its key hashed, so the next code adopts it (it recorded the new code once, and adoption was refused)."""
+    from nmtcore.engine import Callback
+
+    class CodeChanges(Callback):
+        def on_train_start(self, trainer):
+            monkeypatch.setattr(store, "code_digest", lambda: "the code merged meanwhile")
+
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
+    root = tmp_path / "store"
+    _old_code(monkeypatch)
+    old = store.ensure_baseline(cfg, root, progress=lambda line: None, callbacks=(CodeChanges(),))
+    assert old.meta["code"] == "the older code"
+    new_key = store.adopt_baseline(cfg, old.key, root)
+    assert new_key != old.key and (root / new_key).resolve() == (root / old.key).resolve()
+
+
 def test_a_baseline_trained_before_a_setting_existed_is_adoptable_at_the_setting_s_default(tmp_path, monkeypatch):
     """Older code had no ``train.loss_guard``: its baseline recorded (and hashed) a weight config without it. Newer
     code adopts it with the setting at its default (the older behaviour), and names the setting when it is not."""

@@ -220,8 +220,12 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
                                  resume=True, data=data)
         history = [float(v) for _, v in tracking.get_run_metrics(tracker.run_id, tracker.tracking_uri)
                    .get("valid_loss", [])]
+        # The code the key hashed (inputs.json, written when this key's training began), not the code on disk now:
+        # a checkout updated while it trained changes neither its key nor its weights (its process imported the
+        # code at its start), and a record of the new code would make it unadoptable.
+        code = json.loads((home / INPUTS_FILE).read_text(encoding="utf-8")).get("code") or code_digest()
         meta = {"format": BASELINE_FORMAT, "key": key, "config": cfg.to_dict(), "weight_config": weight_config(cfg),
-                "data": dict(data.checksums), "code": code_digest(), "fit": summary.to_dict(),
+                "data": dict(data.checksums), "code": code, "fit": summary.to_dict(),
                 "valid_losses": history, "converged": summary.fit.converged,
                 "still_improving": loss_still_falling(history, [], 0),
                 "test": {k: {"bleu": v.bleu, "chrf": v.chrf} for k, v in summary.test.items()},
