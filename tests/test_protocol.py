@@ -267,9 +267,10 @@ def test_a_checkout_updated_while_a_baseline_trains_leaves_it_adoptable(tmp_path
     cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
     root = tmp_path / "store"
     _old_code(monkeypatch)
-    old = store.ensure_baseline(cfg, root, progress=lambda line: None, callbacks=(CodeChanges(),))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    old = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None, callbacks=(CodeChanges(),))
     assert old.meta["code"] == "the older code"
-    new_key = store.adopt_baseline(cfg, old.key, root)
+    new_key = store.adopt_baseline(cfg, old.key, root, tracking_uri=uri)
     assert new_key != old.key and (root / new_key).resolve() == (root / old.key).resolve()
 
 
