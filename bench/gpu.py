@@ -464,7 +464,7 @@ def sec_decode() -> None:
 
 
 def sec_translate() -> None:
-    """A model that translates: the baseline trained on the device for ``--translate-epochs`` epochs (bf16 where
+    """A model that translates: the baseline (or ``--graphs-model``) trained on the device for ``--translate-epochs`` epochs (bf16 where
     the device has it, the preset's schedule otherwise), then test_2016_flickr decoded with the studies' decode
     settings, beam 5 and greedy: BLEU and sentences/s (the decode section times untrained weights at a fixed
     output length; this one the lengths a trained model chooses). With ``--trial-graphs``, once eagerly and once
@@ -477,14 +477,17 @@ def _translate(graphs: bool) -> None:
     from nmtcore.bleu import corpus_bleu
 
     precision = low("bf16")
-    cfg = base_cfg(**{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs, "train.patience": 0,
-                      "train.cuda_graphs": graphs,
-                      "output_dir": str(Path(ARGS.scratch) / f"translate{'-graphs' if graphs else ''}")})
+    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
+    cfg = base_cfg(**model, **{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs,
+                               "train.patience": 0, "train.cuda_graphs": graphs,
+                               "output_dir": str(Path(ARGS.scratch) / f"translate{'-graphs' if graphs else ''}")})
+    cfg = ensure_bert(cfg) if model else cfg
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     fit = trainer.fit()
     last = trainer.state.history[-1]
     stats = trainer.graphs.stats if trainer.graphs is not None else None
-    result("translate", stage="train", cuda_graphs=graphs, precision=precision, epochs=fit.epochs,
+    result("translate", stage="train", model=ARGS.graphs_model, cuda_graphs=graphs, precision=precision,
+           epochs=fit.epochs,
            graph_captures=stats and stats.captures, graph_replays=stats and stats.replays,
            eager_steps=stats and stats.eager, updates=fit.num_updates,
            fit_wall_s=round(fit.fit_wall_s, 1), train_tok_s=round(last["train_tokens_per_s"]),
@@ -553,7 +556,7 @@ def main() -> int:
     p.add_argument("--graphs", action="store_true", help="train.cuda_graphs in the trials section's trials")
     p.add_argument("--graphs-check-only", action="store_true", help="the graphs section's checks, not its timings")
     p.add_argument("--graphs-model", default="baseline", choices=["baseline", "bert_fused"],
-                   help="the model of the graphs section (bert_fused: drop-net planned on the host)")
+                   help="the model of the graphs and translate sections (bert_fused: drop-net planned on the host)")
     p.add_argument("--graphs-precisions", default="fp32,bf16", help="the graphs section's timed precisions")
     p.add_argument("--graphs-scales", default="1,4", help="its batch sizes, in multiples of 4096 tokens")
     p.add_argument("--trial-graphs", action="store_true",
