@@ -366,7 +366,9 @@ def sec_compile() -> None:
 
 def trial_worker() -> int:
     """One 'trial': train the baseline until told to go, then for ``--seconds``; report target tokens."""
-    cfg = base_cfg(**{"train.precision": ARGS.trial_precision or low("bf16"), "train.cuda_graphs": ARGS.graphs})
+    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
+    cfg = base_cfg(**model, **{"train.precision": ARGS.trial_precision or low("bf16"), "train.cuda_graphs": ARGS.graphs})
+    cfg = ensure_bert(cfg) if model else cfg
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     it = trainer.train_batches(epoch=1)
     for _ in range(ARGS.warmup):
@@ -412,7 +414,7 @@ def _trials(graphs: bool) -> None:
         go.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--worker", "--device", str(ARGS.device), "--data-dir", ARGS.data_dir,
                "--seconds", str(ARGS.seconds), "--go", str(go), "--warmup", str(ARGS.warmup),
-               *(["--graphs"] if graphs else []),
+               *(["--graphs"] if graphs else []), "--graphs-model", ARGS.graphs_model,
                *(["--trial-precision", ARGS.trial_precision] if ARGS.trial_precision else [])]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // k))}
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(k)]
@@ -430,7 +432,7 @@ def _trials(graphs: bool) -> None:
             continue
         total = sum(r["tokens"] / r["wall_s"] for r in rows)
         alone = alone or total
-        result("trials", k=k, cuda_graphs=graphs, precision=ARGS.trial_precision or low("bf16"),
+        result("trials", model=ARGS.graphs_model, k=k, cuda_graphs=graphs, precision=ARGS.trial_precision or low("bf16"),
                total_tok_s=round(total), per_trial_tok_s=round(total / k),
                total_over_one=round(total / alone, 2), peak_gib_per_trial=round(max(r["peak_gib"] for r in rows), 2))
 
@@ -556,7 +558,7 @@ def main() -> int:
     p.add_argument("--graphs", action="store_true", help="train.cuda_graphs in the trials section's trials")
     p.add_argument("--graphs-check-only", action="store_true", help="the graphs section's checks, not its timings")
     p.add_argument("--graphs-model", default="baseline", choices=["baseline", "bert_fused"],
-                   help="the model of the graphs and translate sections (bert_fused: drop-net planned on the host)")
+                   help="the model of the graphs, translate and trials sections (bert_fused: drop-net planned on the host)")
     p.add_argument("--graphs-precisions", default="fp32,bf16", help="the graphs section's timed precisions")
     p.add_argument("--graphs-scales", default="1,4", help="its batch sizes, in multiples of 4096 tokens")
     p.add_argument("--trial-graphs", action="store_true",
