@@ -68,7 +68,7 @@ def test_a_second_sweep_copies_the_trial_the_first_trained(ray_cluster, store, t
     # Its estimate knows: one trial to train, one to copy.
     est = cost.dry_run(second, base, settings, progress=lambda line: None)
     trials = next(p for p in est.phases if p.name == "trials")
-    assert len(est.runs) == 1 and trials.detail.startswith("1 trials (and 1 trained before: copied"), trials
+    assert len(est.runs) == 1 and trials.detail.startswith("1 trial (and 1 trained before: copied"), trials
     off = cost.dry_run(second, base, dataclasses.replace(settings, reuse_trials=False), progress=lambda line: None)
     assert len(off.runs) == 2
     result = driver.run_sweep(second, base, settings, log_to_driver=False)

@@ -174,7 +174,8 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
     epochs = "; ".join(f"{n} trial{'s' * (n > 1)} x {e:g} epochs ({why})" for (e, why), n in kinds.items())
     per = [t.epoch_s for t in trials]
     again = f" (and {copied} trained before: copied, not trained again)" if copied else ""
-    phases.append(Phase("trials", total, f"{len(trials)} trials{again}, {slots} at once ({waves} waves); an epoch "
+    phases.append(Phase("trials", total, f"{len(trials)} trial{'s' * (len(trials) != 1)}{again}, {slots} at once "
+                                         f"({waves} wave{'s' * (waves != 1)}); an epoch "
                                          f"{duration(min(per, default=0))}-{duration(max(per, default=0))}; {epochs}"))
     return Estimate(tuple(phases), machine, tuple(zip(keys, (t.seconds for t in trials))))
 
