@@ -79,6 +79,13 @@ def base_cfg(**over):
         "data.data_dir": ARGS.data_dir, "data.download": False, "output_dir": "bench/out/gpu", **over})
 
 
+def model_cfg(**over):
+    """``base_cfg`` for ``--graphs-model``'s model (its BERT made ready), with ``over``."""
+    if ARGS.graphs_model == "baseline":
+        return base_cfg(**over)
+    return ensure_bert(base_cfg(**DECODE_MODELS[ARGS.graphs_model], **over))
+
+
 def take(trainer, n: int) -> list:
     """The first ``n`` training batches, over as many epochs as that needs (each epoch shuffled anew)."""
     out, epoch = [], 1
@@ -278,14 +285,9 @@ def sec_graphs() -> None:
         return
     from nmtcore.engine.graphs import pad_to_bucket
 
-    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
     data = prepare_data(base_cfg().data)
-
-    def graphs_cfg(**over):
-        return ensure_bert(base_cfg(**model, **over)) if model else base_cfg(**over)
-
     # 0. Which op, if any, makes the host wait inside a forward and backward pass (a capture would fail there).
-    trainer = build_trainer(graphs_cfg(**{"train.precision": "bf16"}), data, device=ARGS.device)
+    trainer = build_trainer(model_cfg(**{"train.precision": "bf16"}), data, device=ARGS.device)
     data = trainer.data  # with the BERT stream (and its cached features) the model reads
     batch = pad_to_bucket(next(iter(trainer.train_batches(epoch=1))).to("cpu"), data.vocab.pad_id).to(ARGS.device)
     sync()
@@ -306,8 +308,8 @@ def sec_graphs() -> None:
         losses, weights = {}, {}
         for graphed in (False, True):
             torch.manual_seed(1)
-            cfg = graphs_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
-                                "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
+            cfg = model_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed, "model.dropout": 0.0,
+                               "model.attention_dropout": 0.0, "model.activation_dropout": 0.0})
             trainer = build_trainer(cfg, data, device=ARGS.device)
             assert (trainer.graphs is not None) == graphed, "train.cuda_graphs did not take effect"
             batches = take(trainer, 5 * freq)
@@ -332,8 +334,8 @@ def sec_graphs() -> None:
         for scale in (int(x) for x in ARGS.graphs_scales.split(",")):
             row = {"model": ARGS.graphs_model, "precision": precision, "max_tokens": 4096 * scale}
             for graphed in (False, True):
-                cfg = graphs_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed,
-                                    "data.max_tokens": 4096 * scale})
+                cfg = model_cfg(**{"train.precision": precision, "train.cuda_graphs": graphed,
+                                   "data.max_tokens": 4096 * scale})
                 reset_peak()
                 trainer = build_trainer(cfg, data, device=ARGS.device)
                 sync()
@@ -366,9 +368,7 @@ def sec_compile() -> None:
 
 def trial_worker() -> int:
     """One 'trial': train the baseline until told to go, then for ``--seconds``; report target tokens."""
-    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
-    cfg = base_cfg(**model, **{"train.precision": ARGS.trial_precision or low("bf16"), "train.cuda_graphs": ARGS.graphs})
-    cfg = ensure_bert(cfg) if model else cfg
+    cfg = model_cfg(**{"train.precision": ARGS.trial_precision or low("bf16"), "train.cuda_graphs": ARGS.graphs})
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     it = trainer.train_batches(epoch=1)
     for _ in range(ARGS.warmup):
@@ -479,11 +479,9 @@ def _translate(graphs: bool) -> None:
     from nmtcore.bleu import corpus_bleu
 
     precision = low("bf16")
-    model = {} if ARGS.graphs_model == "baseline" else DECODE_MODELS[ARGS.graphs_model]
-    cfg = base_cfg(**model, **{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs,
-                               "train.patience": 0, "train.cuda_graphs": graphs,
-                               "output_dir": str(Path(ARGS.scratch) / f"translate{'-graphs' if graphs else ''}")})
-    cfg = ensure_bert(cfg) if model else cfg
+    cfg = model_cfg(**{"train.precision": precision, "train.max_epochs": ARGS.translate_epochs, "train.patience": 0,
+                       "train.cuda_graphs": graphs,
+                       "output_dir": str(Path(ARGS.scratch) / f"translate{'-graphs' if graphs else ''}")})
     trainer = build_trainer(cfg, prepare_data(cfg.data), device=ARGS.device)
     fit = trainer.fit()
     last = trainer.state.history[-1]

@@ -166,8 +166,6 @@ def test_planned_draws_are_the_eager_draws_and_name_the_unused_branches():
     third = tiny_model("bert_fused").train()
     third.load_state_dict(twin.state_dict())
     assert third.enc_drop_net.eq3() == twin.enc_drop_net.eq3()
-    draws.stop()
-    assert isinstance(twin.enc_drop_net.weights()[0], float)
 
 
 def test_the_gpu_bench_runs_its_graph_options_on_the_cpu(tmp_path):

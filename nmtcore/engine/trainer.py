@@ -305,7 +305,7 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, self.state.num_updates)
         # Graphed drop-net: the branches no batch used have zero gradients; eager training gives them none, so
         # Adam skips them (no momentum step). None for this step, the graphs' buffers back after it.
-        draws = getattr(self.graphs, "draws", None)
+        draws = self.graphs.draws if self.graphs is not None else None
         unused = draws.unused() if draws is not None else []
         keep_zeros = getattr(self.cfg.model, "drop_net_zero_grads", False)  # the original code's zero gradients
         skipped = [] if keep_zeros else [(p, p.grad) for p in unused]

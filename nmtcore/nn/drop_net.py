@@ -135,16 +135,11 @@ class PlannedDraws:
     def unused(self) -> list[nn.Parameter]:
         """The trainable parameters of the branches no forward since the last call used (their gradient is 0 and
         eager training would have none); starts counting again."""
-        out = [p for _, branches in self.nets for pair in branches for m in pair for p in m.parameters()
-               if p.requires_grad and id(p) not in self._used]
+        params = {id(p): p for _, branches in self.nets for pair in branches for m in pair for p in m.parameters()
+                  if p.requires_grad}
+        unused = [p for i, p in params.items() if i not in self._used]
         self._used.clear()
-        seen: set[int] = set()
-        return [p for p in out if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
-
-    def stop(self) -> None:
-        """Back to host draws in the forward (graphs off)."""
-        for net, _ in self.nets:
-            net.planned = None
+        return unused
 
 
 def combine(first: Callable[[], Tensor], second: Callable[[], Tensor], w: Weights) -> Tensor:

@@ -412,9 +412,17 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         rate = feature_rate(layer, stream, int(cpus))
         shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
 
-    start = _start_weights(space, base, settings, baseline, data.checksums)
-    copied = [i for i, (_, cfg) in enumerate(runs) if i < len(keys) and start is not None and settings.reuse_trials
-              and _trained_before(cfg.with_overrides({"train.init_from": start}), data.checksums, settings)]
+    warm = space.protocol is not None and space.protocol.warm_start
+    bcfg = (baseline or baseline_config(space, base)) if warm else None
+    if bcfg is not None:
+        root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
+        bkey = baseline_key(bcfg, data.checksums)
+        stored = find_baseline(root, bkey)
+    # The weights the trials start from; None: the baseline is still to train, so no trial can be a copy yet.
+    start = base.train.init_from if bcfg is None else (str(stored.path) if stored is not None else None)
+    copied = set() if start is None or not settings.reuse_trials else {
+        i for i, (_, cfg) in enumerate(runs[:len(keys)])  # the grid's cells (a sampled space's points are unknown)
+        if _trained_before(cfg.with_overrides({"train.init_from": start}), data.checksums, settings)}
     if copied:
         progress(f"dry run: {len(copied)} trial(s) trained before in this store: copied, not trained again")
     runs = [r for i, r in enumerate(runs) if i not in copied]
@@ -432,11 +440,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
 
     base_cost, done, done_epochs = None, False, 0
-    if space.protocol is not None and space.protocol.warm_start:
-        bcfg = baseline or baseline_config(space, base)
-        root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
-        bkey = baseline_key(bcfg, data.checksums)
-        done = find_baseline(root, bkey) is not None
+    if bcfg is not None:
+        done = stored is not None
         done_epochs = checkpointed_epochs(root / bkey / "run")
         if not done:
             progress(f"dry run: probing the baseline at {int(cpus)} thread(s)")
@@ -448,21 +453,6 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     if shared_s is not None:
         shared = [("done in", shared_s)]
     return estimate(shared, base_cost, done, costs, slots, machine_line(), done_epochs, keys, copied=len(copied))
-
-
-def _start_weights(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None,
-                   checksums: Mapping[str, str]) -> str | None:
-    """The weights the trials will start from, as ``train.init_from``: the stored baseline's (a warm-starting
-    protocol), the base config's own (none: ""), or None while the baseline is still to train."""
-    if space.protocol is None or not space.protocol.warm_start:
-        return base.train.init_from
-    from nmtcore.sweep.baseline import baseline_key, default_root, find_baseline
-    from nmtcore.sweep.plan import baseline_config
-
-    bcfg = baseline or baseline_config(space, base)
-    root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
-    found = find_baseline(root, baseline_key(bcfg, checksums))
-    return None if found is None else str(found.path)
 
 
 def _trained_before(cfg: ExperimentConfig, checksums: Mapping[str, str], settings: Any) -> bool:

@@ -136,10 +136,5 @@ def copy_trial(source: tracking.RunRecord, parent_run_id: str, trial_key: str, r
     return run.run_id
 
 
-def describe_source(source: tracking.RunRecord) -> str:
-    """``control seed 1 of sweep bert_benefit-guard (run 1a2b...)``: where a copied trial comes from."""
-    return f"{source.run_name} of sweep {source.tags.get(schema.SWEEP, '?')} (run {source.run_id})"
-
-
 __all__ = ["LIBRARIES", "NOT_CODE", "NOT_RESULTS", "REUSED_FROM_TAG", "REUSE_KEY_TAG", "copy_trial",
-           "describe_source", "find_trained", "library_versions", "reuse_key", "trial_code"]
+           "find_trained", "library_versions", "reuse_key", "trial_code"]
