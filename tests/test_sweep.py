@@ -71,6 +71,38 @@ def test_sampled_spaces_use_seeded_optuna_tpe_with_asha_and_repeats_for_seeds():
     assert a != ray_backend.preview_samples(space, 3, optuna_seed=1)
 
 
+def test_asha_never_stops_a_trial_at_its_last_epoch():
+    """4 epochs, grace 1, factor 2: Tune's brackets have rungs at epochs 1, 2 and 4. The worse of two trials
+    is stopped at a rung before the last epoch, never at the last (it still decodes its test set)."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    space = search_spaces.get_space("transformer_grid:optuna")
+    asha = ray_backend.scheduler(space, sweep_settings.SweepSettings(name="x", storage="/tmp", grace_period=1,
+                                                                     reduction_factor=2), max_epochs=4)
+    asha.set_search_properties(space.metric, space.mode)  # as Tune does from the TuneConfig
+    good, bad = SimpleNamespace(trial_id="a"), SimpleNamespace(trial_id="b")
+    for t in (good, bad):
+        asha.on_trial_add(None, t)
+    assert sorted(m for m, _ in asha._brackets[0]._rungs) == [1, 2, 4]
+
+    def report(trial, epoch, bleu):  # the space's metric: validation BLEU, higher is better
+        return asha.on_trial_result(None, trial, {"epoch": epoch, space.metric: bleu})
+
+    for epoch in (1, 2, 3):
+        assert report(good, epoch, 10.0 * epoch) == TrialScheduler.CONTINUE
+    assert report(good, 4, 40.0) == TrialScheduler.CONTINUE
+    assert report(bad, 1, 11.0) == TrialScheduler.CONTINUE  # better than the good one was at epoch 1
+    assert report(bad, 2, 21.0) == TrialScheduler.CONTINUE
+    assert report(bad, 3, 25.0) == TrialScheduler.CONTINUE
+    assert report(bad, 4, 30.0) == TrialScheduler.CONTINUE  # worse than 40 at the rung of epoch 4: kept anyway
+    # It still stops a trial at a rung before the last epoch.
+    worse = SimpleNamespace(trial_id="c")
+    asha.on_trial_add(None, worse)
+    assert report(worse, 1, 1.0) == TrialScheduler.STOP
+
+
 def test_samples_reach_the_trainer_config(tmp_path):
     """Two samples drawn by the sweep's own search algorithm give two trainer configs that carry them."""
     base = tiny_base(tmp_path)
