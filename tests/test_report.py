@@ -143,6 +143,45 @@ def test_p_value_and_interval_on_a_known_difference(tmp_path):
     assert same.delta == 0 and same.p == 1.0 and (same.ci_low, same.ci_high) == (0.0, 0.0)
 
 
+def test_a_report_against_another_arm_compares_every_configuration_with_it(tmp_path, capsys):
+    """``--against fixed``: the reference row is that arm, the control is compared with it like any arm (Δ the
+    negative of the report against the control), an unknown arm is a one-line error listing the arms, and the
+    command line writes it beside the sweep's report without attaching it to the sweep's run."""
+    from nmtcore.bleu import corpus_bleu
+    from nmtcore.cli.main import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="vs", tags={
+        lifecycle.SWEEP_TAG: "vs", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    a = ["ein haus steht"] * 45 + REFS[45:]
+    b = list(REFS[:15]) + ["ein haus steht"] * 30 + REFS[45:]
+    add_trial(parent, tmp_path, 1, 0, "control", a, control=True)
+    add_trial(parent, tmp_path, 1, 1, "fixed", b, {"arm": "fixed"})
+    add_trial(parent, tmp_path, 1, 2, "same", list(a), {"arm": "same"})
+    parent.end()
+    rep = results.build_report("vs", uri, n_bootstrap=500, against="fixed")
+    control, fixed, same = rep.groups
+    assert rep.reference is fixed and control.control and not fixed.comparisons
+    want = corpus_bleu(a, REFS).score - corpus_bleu(b, REFS).score
+    assert control.comparisons[SPLIT].delta == pytest.approx(want) and want < -5
+    assert control.comparisons[SPLIT].ci_high < 0 and control.comparisons[SPLIT].p < 0.05
+    assert same.comparisons[SPLIT].delta == pytest.approx(want)
+    rows = report.json_rows(rep)
+    assert [(r["arm"], r["control"], r["reference"]) for r in rows] == [
+        ("control", True, False), ("fixed", False, True), ("same", False, False)]
+    assert "Reference row: `fixed`" in report.render_markdown(rep)
+    with pytest.raises(tracking.TrackingError, match=r"--against 'nope': no such arm in vs \(its arms: control, "
+                                                     r"fixed, same\)"):
+        results.build_report("vs", uri, n_bootstrap=0, against="nope")
+    out = tmp_path / "reports"
+    assert main(["report", "--sweep", "vs", "--tracking-uri", uri, "--bootstrap", "50", "--against", "fixed",
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "table.json").read_text())[1]["reference"] is True
+    assert "is not logged to MLflow" in capsys.readouterr().out
+    assert not [a for a in tracking.list_artifacts(parent.run_id, uri) if a.startswith("report/")]
+
+
 def test_identical_training_is_flagged(sweep_store):
     uri, _ = sweep_store
     rep = results.build_report("toy", uri, n_bootstrap=0)

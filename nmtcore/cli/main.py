@@ -102,9 +102,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from nmtcore.sweep import report
 
     sweeps = args.sweep if len(args.sweep) > 1 else args.sweep[0]
-    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap)
-    files = report.write_report(rep, Path(args.out or Path("reports") / "+".join(args.sweep)).resolve())
-    log = not args.no_log and not rep.pooled  # a pooled report belongs to no one sweep's run
+    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap, against=args.against)
+    out = Path(args.out or Path("reports") / "+".join(args.sweep))
+    if args.against and not args.out:
+        out = out / f"against-{args.against}"
+    files = report.write_report(rep, out.resolve())
+    # A pooled report belongs to no one sweep's run; one against another arm does not replace the sweep's own.
+    log = not args.no_log and not rep.pooled and not args.against
     if log:
         tracking.log_run_artifacts(rep.parent_run_id, files, "report", rep.tracking_uri)
     print(report.render_markdown(rep))
@@ -113,6 +117,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"logged to MLflow run {rep.parent_run_id} (artifacts report/) in {rep.tracking_uri}")
     elif rep.pooled:
         print("a pooled report is not logged to MLflow (it belongs to no one sweep's run)")
+    elif args.against:
+        print(f"a report against {args.against!r} is not logged to MLflow (the sweep's report is the one against its "
+              "control)")
     return 0
 
 
@@ -264,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output folder (default: reports/<sweep>)")
     rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
     rp.add_argument("--no-log", action="store_true", help="do not attach the report to the parent run")
+    rp.add_argument("--against", metavar="ARM",
+                    help="compare every configuration with this arm instead of the control (e.g. an ablation's full "
+                         "model, the paper's own reference row); written to <out>/against-<ARM> and not attached to "
+                         "the sweep's run, whose report stays the one against the control")
     rp.set_defaults(func=cmd_report)
 
     ex = sub.add_parser("export", help="a sweep's MLflow record (runs, metrics, the report's artifacts) in one file, "

@@ -166,8 +166,12 @@ class SweepReport:
 
 # ================================================================================== building
 def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
-                 bootstrap_seed: int = 12345) -> SweepReport:
+                 bootstrap_seed: int = 12345, against: str | None = None) -> SweepReport:
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
+
+    Every configuration is compared with the control (else the space's reference); ``against`` names another
+    arm to compare with instead (an arm's name as the table prints it, e.g. a paper's own reference row: the
+    full model of an ablation), :class:`TrackingError` if no arm has that name.
 
     Several sweeps (a list) give one report over their runs pooled: sweeps of one study, varying the same keys,
     tested on the same sets under the same protocol (else :class:`TrackingError`), e.g. the same study run
@@ -208,7 +212,13 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     groups = [_group(key, runs, varied, splits, metric, curves, space.get("report_metrics") or [], phased, uri)
               for key, runs in by_key.items()]
     groups.sort(key=lambda g: (not g.control, g.order, g.config_key))
-    reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
+    if against is not None:
+        reference = next((g for g in groups if g.label == against), None)
+        if reference is None:
+            raise tracking.TrackingError(f"--against {against!r}: no such arm in {' + '.join(names)} (its arms: "
+                                         f"{', '.join(g.label for g in groups) or 'none'})")
+    else:
+        reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
     if reference is not None and n_bootstrap > 0:
         for g in groups:
             if g is not reference:
