@@ -19,7 +19,7 @@ SRC = [f"source {i}" for i in range(40)]
 def _writer(cut_at: dict[float, int], default: int = 0):
     """A fake model: each reference with its last ``cut_at[lenpen]`` words dropped (shorter at lower penalties),
     ``default`` for a penalty not listed."""
-    def translate(checkpoint: Path, lines: list[str], lenpen: float) -> list[str]:
+    def translate(checkpoint: Path, split: str, lines: list[str], lenpen: float) -> list[str]:
         cut = cut_at.get(lenpen, default)
         return [" ".join(r.split()[: len(r.split()) - cut]) for r in REFS[: len(lines)]]
     return translate
@@ -39,9 +39,9 @@ def test_a_control_short_only_at_the_default_penalty_is_level_with_the_arm_at_eq
     trials = []
     for seed in ("1", "2"):
         ctl = lengths.TrialDecodes("control", seed, Path(f"/c{seed}.pt"))
-        trials.append(lengths.decode_trial(ctl, SRC, REFS, tests, (1.0, 1.8), _writer({1.0: 3, 1.8: 0})))
+        trials.append(lengths.decode_trial(ctl, ("valid", SRC, REFS), tests, (1.0, 1.8), _writer({1.0: 3, 1.8: 0})))
         arm = lengths.TrialDecodes("bert_fused", seed, Path(f"/a{seed}.pt"))
-        trials.append(lengths.decode_trial(arm, SRC, REFS, tests, (1.0, 1.8), _writer({}, default=0)))
+        trials.append(lengths.decode_trial(arm, ("valid", SRC, REFS), tests, (1.0, 1.8), _writer({}, default=0)))
     ctl = trials[0]
     assert ctl.valid[1.0]["len_ratio"] < 0.8 and ctl.valid[1.0]["bleu"] < ctl.valid[1.8]["bleu"] == pytest.approx(100.0)
     assert [t.lenpen for t in trials] == [1.8, 1.0, 1.8, 1.0]
@@ -59,9 +59,9 @@ def test_a_control_short_only_at_the_default_penalty_is_level_with_the_arm_at_eq
 
 def test_an_arm_that_stays_short_at_every_penalty_loses_at_equal_length():
     tests = {"test": (SRC, REFS)}
-    ctl = lengths.decode_trial(lengths.TrialDecodes("control", "1", Path("/c.pt")), SRC, REFS, tests, (1.0, 1.8),
+    ctl = lengths.decode_trial(lengths.TrialDecodes("control", "1", Path("/c.pt")), ("valid", SRC, REFS), tests, (1.0, 1.8),
                                _writer({}, default=0))
-    arm = lengths.decode_trial(lengths.TrialDecodes("short", "1", Path("/a.pt")), SRC, REFS, tests, (1.0, 1.8),
+    arm = lengths.decode_trial(lengths.TrialDecodes("short", "1", Path("/a.pt")), ("valid", SRC, REFS), tests, (1.0, 1.8),
                                _writer({}, default=2))
     (row,) = lengths.compare([ctl, arm], "control", {"test": REFS}, n_bootstrap=200)
     assert row["delta"] < -5 and row["arm_bp"] < 1.0 and row["ci_high"] < 0 and row["p"] < 0.05
@@ -104,3 +104,40 @@ def test_the_command_refuses_bad_penalties_and_an_unknown_sweep_in_one_line(tmp_
     assert main(["lengths", "--sweep", "nowhere", "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nowhere" in err[0]
+
+
+def test_a_document_model_is_decoded_with_its_context_as_its_trial_decoded_it(tmp_path: Path):
+    """A tiny document model (warm-started from a sentence-level baseline, frozen BERT reading the previous sentence):
+    at the study's own penalty the check's decode of its test split is the trial's test output, each sentence with its
+    document's context; the baseline (no context) still translates lines."""
+    from nmtcore.config import ExperimentConfig
+    from nmtcore.engine import run_experiment
+    from nmtcore.engine.trainer import tested_file
+    from nmtcore.testing.zoo import TINY, TINY_BERT
+    from tests.test_doc_context import doc_corpus
+
+    doc_corpus(tmp_path / "data")
+    base = {"name": "doc", "output_dir": str(tmp_path / "base"),
+            "data": {"corpus": "docparallel", "data_dir": str(tmp_path / "data"), "src_lang": "en", "tgt_lang": "de",
+                     "valid_split": "val", "test_splits": ["test"], "vocab_size": 40, "max_tokens": 600,
+                     "cache_dir": str(tmp_path / "cache")},
+            "model": {"name": "transformer", **TINY, "dropout": 0.0},
+            "train": {"lr": 3e-3, "warmup_updates": 10, "max_epochs": 2, "precision": "fp32", "valid_bleu": False},
+            "decode": {"beam": 2, "max_sentences": 50}}
+    run_experiment(ExperimentConfig.from_dict(base))
+    cfg = ExperimentConfig.from_dict(base).with_overrides({
+        "output_dir": str(tmp_path / "doc"), "model.name": "doc_context", "model.bert.name": TINY_BERT["name"],
+        "train.init_from": str(tmp_path / "base" / "checkpoints" / "epoch2.pt")})
+    summary = run_experiment(cfg)
+    checkpoint = tmp_path / "doc" / "checkpoints" / tested_file(summary.final_model)
+    trial = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
+    from nmtcore.data import load_split
+
+    src = load_split(cfg.data, "test").src
+    assert lengths.reads_documents(lengths._translator(checkpoint).model)
+    assert lengths._translate(checkpoint, "test", src, cfg.decode.lenpen) == trial
+    with pytest.raises(lengths.LengthCheckError, match="no split 'test' with these 3 sources"):
+        lengths._translate(checkpoint, "test", src[:3], cfg.decode.lenpen)
+    baseline = tmp_path / "base" / "checkpoints" / "epoch2.pt"
+    assert not lengths.reads_documents(lengths._translator(baseline).model)
+    assert len(lengths._translate(baseline, "test", src, 1.0)) == len(src)

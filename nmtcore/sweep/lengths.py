@@ -10,10 +10,11 @@ reference arm as the report compares them: seeds pooled (the seeds both complete
 another), paired bootstrap over the sentences.
 
 The tested weights are found from the trial's run: its ``output_dir`` parameter and the ``final_model`` its
-``summary.json`` names (a best epoch's checkpoint, or ``averaged.pt``). Sentence-level models only: a model that
-reads document context is refused, since the check decodes sentence by sentence. A frozen BERT's states come
-from the run's feature cache where it holds these sentences, as in the trial's own decode, so at the study's
-penalty the check gives the trial's hypotheses.
+``summary.json`` names (a best epoch's checkpoint, or ``averaged.pt``). A sentence-level model translates the
+split's lines; a model that reads document context (its BERT's ``[CLS] context [SEP] sentence [SEP]`` stream) decodes
+the split as its trial did, from the run's prepared data, so each sentence keeps its document's context. A frozen
+BERT's states come from the run's feature cache where it holds these sentences, as in the trial's own decode, so
+at the study's penalty the check gives the trial's hypotheses.
 
   nmtcore lengths --sweep NAME [--lenpens 0.6,1.0,1.4,1.8,2.4] [--out DIR]
 """
@@ -77,16 +78,21 @@ def pick_lenpen(valid: dict[float, dict[str, float]]) -> float:
     return max(valid, key=lambda lp: (round(valid[lp]["bleu"], 6), -abs(lp - 1.0)))
 
 
-def decode_trial(trial: TrialDecodes, valid_src: list[str], valid_ref: list[str], tests: dict[str, tuple[list[str], list[str]]],
-                 lenpens: Sequence[float], translate: Callable[[Path, list[str], float], list[str]]) -> TrialDecodes:
-    """Decode ``trial``'s validation set at each penalty, keep the best, decode its test sets with it."""
+Translate = Callable[[Path, str, list[str], float], list[str]]  # (checkpoint, split, its source lines, lenpen) → hyps
+
+
+def decode_trial(trial: TrialDecodes, valid: tuple[str, list[str], list[str]], tests: dict[str, tuple[list[str], list[str]]],
+                 lenpens: Sequence[float], translate: Translate) -> TrialDecodes:
+    """Decode ``trial``'s validation set (``valid``: its split name, sources and references) at each penalty, keep
+    the best, decode its test sets with it."""
+    valid_name, valid_src, valid_ref = valid
     for lp in lenpens:
-        hyps = translate(trial.checkpoint, valid_src, lp)
+        hyps = translate(trial.checkpoint, valid_name, valid_src, lp)
         score = bleu.corpus_bleu(hyps, valid_ref)
         trial.valid[lp] = {"bleu": score.score, "len_ratio": score.len_ratio}
     trial.lenpen = pick_lenpen(trial.valid)
     for split, (src, ref) in tests.items():
-        hyps = translate(trial.checkpoint, src, trial.lenpen)
+        hyps = translate(trial.checkpoint, split, src, trial.lenpen)
         score = bleu.corpus_bleu(hyps, ref)
         trial.test_hyps[split] = hyps
         trial.test[split] = {"bleu": score.score, "bp": score.bp, "len_ratio": score.len_ratio}
@@ -154,16 +160,55 @@ def _translator(checkpoint: Path) -> Any:
     return translator
 
 
-def _translate(checkpoint: Path, lines: list[str], lenpen: float) -> list[str]:
-    """Beam search with ``checkpoint``'s own decoding settings and ``lenpen``."""
+_PREPARED: dict[Path, Any] = {}  # a document model's prepared data (its splits with their BERT streams)
+
+
+def reads_documents(model: Any) -> bool:
+    """Whether ``model``'s BERT reads a context segment (a document model: the previous, a random or a fixed
+    sentence), which a lone line does not carry."""
+    from nmtcore.bert import bert_layers
+
+    layers = bert_layers(model)
+    return bool(layers) and (layers[0].context_source is not None or layers[0].cfg.context == "previous")
+
+
+def _document_split(checkpoint: Path, split: str, lines: list[str]) -> Any:
+    """``split`` as the run's data prepares it for ``checkpoint``'s model (documents, context, BERT stream and
+    cached features), prepared once per checkpoint."""
+    from nmtcore.bert import prepare_bert_inputs
+    from nmtcore.data import prepare_data
+
+    translator = _translator(checkpoint)
+    data = _PREPARED.get(checkpoint)
+    if data is None:
+        _PREPARED.clear()
+        data = prepare_data(translator.cfg.data)
+        if data.vocab.checksum != translator.vocab.checksum:
+            raise LengthCheckError(f"{checkpoint}: the run's data prepares another vocabulary than the one it trained "
+                                   "with (its data or cache changed since)")
+        prepare_bert_inputs(translator.model, data)
+        _PREPARED[checkpoint] = data
+    if split not in data.splits or list(data.splits[split].raw_src) != list(lines):
+        raise LengthCheckError(f"{checkpoint}: the run's data has no split {split!r} with these {len(lines)} sources")
+    return data.splits[split]
+
+
+def _translate(checkpoint: Path, split: str, lines: list[str], lenpen: float) -> list[str]:
+    """Beam search with ``checkpoint``'s own decoding settings and ``lenpen``: the lines, or for a document model
+    the run's prepared split (each sentence with its context)."""
+    from nmtcore.decoding import translate_split
+
     translator = _translator(checkpoint)
     translator.cfg = translator.cfg.with_overrides({"decode.lenpen": lenpen})
-    return translator.translate(lines)
+    if not reads_documents(translator.model):
+        return translator.translate(lines)
+    return translate_split(translator.model, _document_split(checkpoint, split, lines), translator.vocab,
+                           translator.cfg.decode, translator.device)
 
 
 def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpens: Sequence[float] = LENPENS,
                 out_dir: str | os.PathLike | None = None, n_bootstrap: int = 1000,
-                translate: Callable[[Path, list[str], float], list[str]] = _translate) -> tuple[str, list[Path], Any]:
+                translate: Translate = _translate) -> tuple[str, list[Path], Any]:
     """Run the check on a finished sweep; write ``lengths.md`` and ``lengths.json`` to ``out_dir``. Returns the
     Markdown, the files and the sweep's report (its parent run and store)."""
     from nmtcore.data import load_split
@@ -174,8 +219,6 @@ def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpe
     runs = [(g.label, r) for g in rep.groups for r in g.runs if results.trial_state(r) == "complete"]
     if not runs:
         raise LengthCheckError(f"sweep {sweep}: no complete trial")
-    if any(r.params.get("model.context_integration", "none") not in ("none", "") for _, r in runs):
-        raise LengthCheckError(f"sweep {sweep}: its models read document context; this check decodes sentence by sentence")
     checkpoints = [tested_checkpoint(run, rep.tracking_uri) for _, run in runs]
     cfg = _translator(checkpoints[0]).cfg  # where its data is: the trial's own config
     valid = load_split(cfg.data, cfg.data.valid_split)
@@ -189,7 +232,7 @@ def check_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, lenpe
     for (label, run), checkpoint in zip(runs, checkpoints):
         t = TrialDecodes(arm=label, seed=run.tags.get(results.SEED_TAG, ""), checkpoint=checkpoint)
         log.info("lengths: %s seed %s: %s", t.arm, t.seed, t.checkpoint)
-        trials.append(decode_trial(t, valid.src, valid.tgt, tests, lenpens, translate))
+        trials.append(decode_trial(t, (cfg.data.valid_split, valid.src, valid.tgt), tests, lenpens, translate))
     rows = compare(trials, rep.reference.label, {s: r for s, (_, r) in tests.items()}, n_bootstrap)
     text = render(rep.sweep, lenpens, trials, rows)
     out = Path(out_dir or Path("reports") / rep.sweep)
