@@ -229,9 +229,15 @@ def test_a_finished_baseline_is_adopted_by_newer_code_only_for_the_same_config_a
         store.adopt_baseline(cfg.with_overrides({"train.lr": 1e-3}), old.key, root, tracking_uri=uri)
     with pytest.raises(store.AdoptError, match="no baseline nope"):
         store.adopt_baseline(cfg, "nope", root, tracking_uri=uri)
+    # This code's own baseline, stopped part way (no meta.json): adoption says so rather than "a baseline of its own".
+    partial = root / store.baseline_key(cfg, sums)
+    (partial / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(store.AdoptError, match="trained part way: continue it .* or remove that folder"):
+        store.adopt_baseline(cfg, old.key, root, tracking_uri=uri)
+    shutil.rmtree(partial)
     new_key = store.adopt_baseline(cfg, old.key, root, tracking_uri=uri, reason="a comment changed")
     assert new_key != old.key and (root / new_key).is_symlink()
-    with pytest.raises(store.AdoptError, match="exists already"):
+    with pytest.raises(store.AdoptError, match="exists already: this code has a finished baseline"):
         store.adopt_baseline(cfg, old.key, root, tracking_uri=uri)
 
     again = store.ensure_baseline(cfg, root, tracking_uri=uri, progress=lambda line: None)

@@ -274,8 +274,11 @@ def adopt_baseline(cfg: ExperimentConfig, old_key: str, root: str | Path | None 
     if not old_dir.is_dir():
         stored = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         raise AdoptError(f"no baseline {old_key} under {root} (stored: {', '.join(stored) or 'none'})")
+    if (root / new_key / "meta.json").is_file():
+        raise AdoptError(f"{root / new_key} exists already: this code has a finished baseline of its own")
     if (root / new_key).exists():
-        raise AdoptError(f"{root / new_key} exists already: this code has a baseline of its own")
+        raise AdoptError(f"{root / new_key} holds this code's own baseline, trained part way: continue it (the same "
+                         f"command without --adopt-baseline), or remove that folder to adopt {old_key[:12]} instead")
     # An adopted key is a link to the baseline it adopted (code changed twice): adopt that one, checking the
     # link's own code as recorded when it was made.
     origin = old_dir.resolve().name if old_dir.is_symlink() else old_key
