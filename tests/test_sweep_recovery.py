@@ -115,6 +115,11 @@ def test_crashed_trial_resumes_from_its_last_checkpoint(ray_cluster, store, tmp_
     assert child.tags["nmtcore.attach_count"] == "2"  # the retry re-attached the same run
     steps = [s for s, _ in tracking.get_run_metrics(child.run_id, store)["valid_loss"]]
     assert steps == [1, 2, 3]  # epochs 1-2 not retrained: the retry started from the epoch-2 checkpoint
+    # Its cost counts the epochs the crashed attempt trained and validated, beside the retry's own time.
+    history = tracking.get_run_metrics(child.run_id, store)
+    earlier = sum(v for s, v in history["train_wall_s"] + history["valid_wall_s"] if s <= 2)
+    assert child.metrics["cost/earlier_attempts_s"] == pytest.approx(earlier, rel=1e-6)
+    assert child.metrics["cost/wall_s"] > earlier
 
 
 def test_leaked_worker_reservation_is_removed(ray_cluster):

@@ -164,18 +164,25 @@ class TrialTracking(TrackingCallback):
         super().__init__(tracker, cfg)
         self.reporter, self.node_ids, self.gpus, self.extra_tags = reporter, node_ids, gpus, dict(extra_tags)
         self.t0 = time.perf_counter()
+        self.earlier_s = 0.0  # the epochs earlier attempts of this trial finished (a resumed trial)
 
     def on_train_start(self, trainer: Trainer) -> None:
         super().on_train_start(trainer)
+        # A trial resumed from its checkpoint (a sweep stopped at a session's end, a crash): its restored history holds
+        # the epochs earlier attempts trained and validated, which its cost must count too.
+        self.earlier_s = sum(float(h.get("train_wall_s", 0.0)) + float(h.get("valid_wall_s", 0.0))
+                             for h in trainer.state.history)
         self.tracker.set_tags({**self.extra_tags, schema.NODE_IDS: ",".join(self.node_ids),
                                schema.WORLD_SIZE: trainer.world_size})
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         super().on_train_end(trainer, summary)
-        wall = time.perf_counter() - self.t0
+        this = time.perf_counter() - self.t0
+        wall = this + self.earlier_s  # earlier attempts: their finished epochs (not their start-up, nor a lost epoch)
         cost = {"cost/parameters": summary.parameters, "cost/trainable_parameters": summary.trainable_parameters,
                 "cost/train_tokens_per_s": summary.train_tokens_per_s,
-                "cost/wall_s": wall, "cost/cpu_s": self.reporter.cpu_s, "cost/gpu_s": wall * self.gpus}
+                "cost/wall_s": wall, "cost/cpu_s": self.reporter.cpu_s, "cost/gpu_s": wall * self.gpus,  # CPU: this attempt
+                **({"cost/earlier_attempts_s": self.earlier_s} if self.earlier_s else {})}
         self.tracker.log_metrics(cost, step=summary.epochs)
         for name in self.cfg.data.test_splits:
             refs = trainer.data.splits[name].raw_tgt
