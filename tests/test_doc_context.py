@@ -385,9 +385,9 @@ def test_a_bert_is_needed_unless_integration_is_none():
 
 
 # ---------------------------------------------------------------------- end to end
-def test_warm_started_document_model_trains_and_decodes(tmp_path):
-    """The paper's procedure on a tiny document corpus: a sentence-level baseline, then the document model
-    warm-started from its checkpoint (only context attention, gates and BERT fresh; BERT frozen)."""
+def baseline_then_doc_model(tmp_path: Path, epochs: int) -> ExperimentConfig:
+    """A tiny document corpus and a sentence-level baseline trained ``epochs`` epochs on it; returns the config of
+    the document model warm-started from the baseline's last epoch (BERT frozen), not yet trained."""
     from nmtcore.engine import run_experiment
 
     doc_corpus(tmp_path / "data")
@@ -396,12 +396,20 @@ def test_warm_started_document_model_trains_and_decodes(tmp_path):
                      "valid_split": "val", "test_splits": ["test"], "vocab_size": 40, "max_tokens": 600,
                      "cache_dir": str(tmp_path / "cache")},
             "model": {"name": "transformer", **NO_DROPOUT},
-            "train": {"lr": 3e-3, "warmup_updates": 10, "max_epochs": 1, "precision": "fp32", "valid_bleu": False},
+            "train": {"lr": 3e-3, "warmup_updates": 10, "max_epochs": epochs, "precision": "fp32", "valid_bleu": False},
             "decode": {"beam": 2, "max_sentences": 50}}
     run_experiment(ExperimentConfig.from_dict(base))
-    cfg = ExperimentConfig.from_dict(base).with_overrides({
+    return ExperimentConfig.from_dict(base).with_overrides({
         "output_dir": str(tmp_path / "doc"), "model.name": "doc_context", "model.bert.name": TINY_BERT["name"],
-        "train.init_from": str(tmp_path / "base" / "checkpoints" / "epoch1.pt")})
+        "train.init_from": str(tmp_path / "base" / "checkpoints" / f"epoch{epochs}.pt")})
+
+
+def test_warm_started_document_model_trains_and_decodes(tmp_path):
+    """The paper's procedure on a tiny document corpus: a sentence-level baseline, then the document model
+    warm-started from its checkpoint (only context attention, gates and BERT fresh; BERT frozen)."""
+    from nmtcore.engine import run_experiment
+
+    cfg = baseline_then_doc_model(tmp_path, epochs=1)
     summary = run_experiment(cfg)
     assert summary.warm_start.loaded == len(baseline()[0].state_dict())
     assert summary.trainable_parameters < summary.parameters  # the BERT stays frozen

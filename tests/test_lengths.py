@@ -110,29 +110,15 @@ def test_a_document_model_is_decoded_with_its_context_as_its_trial_decoded_it(tm
     """A tiny document model (warm-started from a sentence-level baseline, frozen BERT reading the previous sentence):
     at the study's own penalty the check's decode of its test split is the trial's test output, each sentence with its
     document's context; the baseline (no context) still translates lines."""
-    from nmtcore.config import ExperimentConfig
+    from nmtcore.data import load_split
     from nmtcore.engine import run_experiment
     from nmtcore.engine.trainer import tested_file
-    from nmtcore.testing.zoo import TINY, TINY_BERT
-    from tests.test_doc_context import doc_corpus
+    from tests.test_doc_context import baseline_then_doc_model
 
-    doc_corpus(tmp_path / "data")
-    base = {"name": "doc", "output_dir": str(tmp_path / "base"),
-            "data": {"corpus": "docparallel", "data_dir": str(tmp_path / "data"), "src_lang": "en", "tgt_lang": "de",
-                     "valid_split": "val", "test_splits": ["test"], "vocab_size": 40, "max_tokens": 600,
-                     "cache_dir": str(tmp_path / "cache")},
-            "model": {"name": "transformer", **TINY, "dropout": 0.0},
-            "train": {"lr": 3e-3, "warmup_updates": 10, "max_epochs": 2, "precision": "fp32", "valid_bleu": False},
-            "decode": {"beam": 2, "max_sentences": 50}}
-    run_experiment(ExperimentConfig.from_dict(base))
-    cfg = ExperimentConfig.from_dict(base).with_overrides({
-        "output_dir": str(tmp_path / "doc"), "model.name": "doc_context", "model.bert.name": TINY_BERT["name"],
-        "train.init_from": str(tmp_path / "base" / "checkpoints" / "epoch2.pt")})
+    cfg = baseline_then_doc_model(tmp_path, epochs=2)
     summary = run_experiment(cfg)
     checkpoint = tmp_path / "doc" / "checkpoints" / tested_file(summary.final_model)
     trial = Path(summary.test["test"].hyp_path).read_text(encoding="utf-8").splitlines()
-    from nmtcore.data import load_split
-
     src = load_split(cfg.data, "test").src
     assert lengths.reads_documents(lengths._translator(checkpoint).model)
     assert lengths._translate(checkpoint, "test", src, cfg.decode.lenpen) == trial

@@ -119,15 +119,12 @@ def test_control_first_then_deltas_intervals_p_values_and_statuses(sweep_store):
     assert js[0]["arm"] == "control" and js[0]["delta"] == 0.0 and js[0]["n_seeds"] == 2
 
 
-def test_p_value_and_interval_on_a_known_difference(tmp_path):
-    """A constructed pair: B is A with exactly 15 of 60 segments corrected. The report's Δ is the corpus BLEU
-    difference sacreBLEU gives directly; the interval contains it and excludes 0; p < 0.05. An identical B
-    gives p = 1 and the interval [0, 0]."""
-    from nmtcore.bleu import corpus_bleu
-
+def known_pair(tmp_path, name: str) -> tuple[str, list[str], list[str]]:
+    """A sweep ``name`` of three arms, 1 seed: the control writes A, ``fixed`` writes B (A with exactly 15 of 60
+    segments corrected), ``same`` writes A again. Returns the store, A and B."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = tracking.Tracker(uri, experiment="sweeps", run_name="known", tags={
-        lifecycle.SWEEP_TAG: "known", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
+        lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
         "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
     a = ["ein haus steht"] * 45 + REFS[45:]
     b = list(REFS[:15]) + ["ein haus steht"] * 30 + REFS[45:]
@@ -135,6 +132,16 @@ def test_p_value_and_interval_on_a_known_difference(tmp_path):
     add_trial(parent, tmp_path, 1, 1, "fixed", b, {"arm": "fixed"})
     add_trial(parent, tmp_path, 1, 2, "same", list(a), {"arm": "same"})
     parent.end()
+    return uri, a, b
+
+
+def test_p_value_and_interval_on_a_known_difference(tmp_path):
+    """A constructed pair: B is A with exactly 15 of 60 segments corrected. The report's Δ is the corpus BLEU
+    difference sacreBLEU gives directly; the interval contains it and excludes 0; p < 0.05. An identical B
+    gives p = 1 and the interval [0, 0]."""
+    from nmtcore.bleu import corpus_bleu
+
+    uri, a, b = known_pair(tmp_path, "known")
     rep = results.build_report("known", uri, n_bootstrap=1000)
     fixed, same = rep.groups[1].comparisons[SPLIT], rep.groups[2].comparisons[SPLIT]
     want = corpus_bleu(b, REFS).score - corpus_bleu(a, REFS).score
@@ -150,16 +157,7 @@ def test_a_report_against_another_arm_compares_every_configuration_with_it(tmp_p
     from nmtcore.bleu import corpus_bleu
     from nmtcore.cli.main import main
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = tracking.Tracker(uri, experiment="sweeps", run_name="vs", tags={
-        lifecycle.SWEEP_TAG: "vs", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
-        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
-    a = ["ein haus steht"] * 45 + REFS[45:]
-    b = list(REFS[:15]) + ["ein haus steht"] * 30 + REFS[45:]
-    add_trial(parent, tmp_path, 1, 0, "control", a, control=True)
-    add_trial(parent, tmp_path, 1, 1, "fixed", b, {"arm": "fixed"})
-    add_trial(parent, tmp_path, 1, 2, "same", list(a), {"arm": "same"})
-    parent.end()
+    uri, a, b = known_pair(tmp_path, "vs")
     rep = results.build_report("vs", uri, n_bootstrap=500, against="fixed")
     control, fixed, same = rep.groups
     assert rep.reference is fixed and control.control and not fixed.comparisons
@@ -179,7 +177,8 @@ def test_a_report_against_another_arm_compares_every_configuration_with_it(tmp_p
                  "--out", str(out)]) == 0
     assert json.loads((out / "table.json").read_text())[1]["reference"] is True
     assert "is not logged to MLflow" in capsys.readouterr().out
-    assert not [a for a in tracking.list_artifacts(parent.run_id, uri) if a.startswith("report/")]
+    parent_id = results.build_report("vs", uri, n_bootstrap=0).parent_run_id
+    assert not [f for f in tracking.list_artifacts(parent_id, uri) if f.startswith("report/")]
 
 
 def test_identical_training_is_flagged(sweep_store):
