@@ -269,3 +269,23 @@ def test_from_scratch_studies_train_to_convergence_unless_they_run_a_phase_sched
         assert space.budget == BASELINE_BUDGET and space.budget_name == "converged", space.name
         quick = space.with_budget("quick")
         assert quick.budget == {"train.max_epochs": 10} and not quick.budget.get("train.patience"), space.name
+
+
+def test_each_document_context_is_a_stream_of_its_own_for_the_shared_features(tmp_path):
+    """Real, random and fixed context are one BERT read through three streams: the features the trials read are
+    prepared (and counted by the estimate) per stream, the BERT itself made once. Where only the integration varies,
+    every arm reads the same stream; a grid of BERT sizes has one stream per BERT."""
+    from nmtcore.sweep.plan import bert_key, distinct_berts
+
+    types = search_spaces.get_space("ablations:doc_context_type")
+    base = _study_base(types, False, tmp_path)
+    assert len(distinct_berts(types, base)) == 1
+    streams = distinct_berts(types, base, streams=True)
+    assert sorted(c.model.context_type for c in streams) == ["fixed", "random", "real"]
+    assert len({bert_key(c) for c in streams}) == 1
+    integration = search_spaces.get_space("ablations:doc_context_integration")
+    base = _study_base(integration, False, tmp_path)
+    assert len(distinct_berts(integration, base, streams=True)) == len(distinct_berts(integration, base)) == 1
+    grid = search_spaces.get_space("bert_size_grid:demo")
+    base = _study_base(grid, False, tmp_path)
+    assert len(distinct_berts(grid, base, streams=True)) == len(distinct_berts(grid, base)) == 4

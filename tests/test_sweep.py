@@ -198,6 +198,30 @@ def test_phase_progress_bar_eta_and_heartbeat(monkeypatch):
 
 
 # ------------------------------------------------------------------------------- the work before the trials
+def test_each_document_context_gets_its_features_prepared_before_the_trials(tmp_path, monkeypatch):
+    """Three arms reading one BERT through three streams (real, random and fixed context): the BERT is made once,
+    and the features of every stream are built by the shared work, not by the first trial that reads them (as row
+    11's random and fixed arms built theirs, unseen by the estimate). The control reads none."""
+    from nmtcore.sweep import pre_sweep
+    from nmtcore.sweep.memory import BertFootprint
+    from nmtcore.sweep.space import Protocol
+
+    made: list[str] = []
+    built: list[tuple[str, str]] = []
+    monkeypatch.setattr(pre_sweep, "data_checksums", lambda data: {"vocab": "v"})
+    monkeypatch.setattr(pre_sweep, "ensure_bert_task", lambda cfg, what, quality=True: made.append(what) or (
+        cfg.with_overrides({"model.bert.cache_dir": str(tmp_path / "bert")}), BertFootprint(1, 6, 384, 1536)))
+    monkeypatch.setattr(pre_sweep, "bert_features_task", lambda cfg, what, shallower=(): built.append(
+        (what, cfg.model.context_type)) or True)
+    base = tiny_base(tmp_path, **{"model.bert.name": "minilm"})
+    space = SearchSpace("t", "v", "doc_context", arms={t: {"model.context_type": t} for t in ("real", "random", "fixed")},
+                        protocol=Protocol(warm_start=False))
+    _, footprints = driver.prepare_shared(base, space)
+    assert made == ["minilm"] and len(footprints) == 1
+    assert sorted(built) == [("minilm, fixed context", "fixed"), ("minilm, random context", "random"),
+                             ("minilm, real context", "real")]
+
+
 @pytest.mark.parametrize("stored", [False, True], ids=["baseline-to-train", "baseline-stored"])
 def test_a_baseline_still_to_train_starts_before_the_bert_features_and_a_stored_one_after(tmp_path, monkeypatch,
                                                                                         stored):

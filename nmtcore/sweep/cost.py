@@ -391,20 +391,25 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     # run of the grid then finds the probe of its BERT's cell instead of probing it again)
     speeds: dict[str, Speed] = {}
     to_build: list[tuple[str, int, Any, Any]] = []  # features missing: (what, sentences, layer, train stream)
-    for cfg in distinct_berts(space, base):
+    for cfg in distinct_berts(space, base, streams=True):  # a document model's contexts: streams of their own
         what = cfg.model.bert.name or f"L{cfg.model.bert.layers}-H{cfg.model.bert.hidden}"
+        context = getattr(cfg.model, "context_type", None)
+        what += f" ({context} context)" if context else ""
         progress(f"dry run: BERT {what}: made if missing, then its features looked up in the cache")
         ready = ensure_bert(cfg)
         missing, layer = missing_features(ready, data) if shared_s is None else (0, None)
         stream = data.train.bert  # this BERT's: the next one's missing_features replaces it
-        progress(f"dry run: probing {what} at {threads} thread(s)")
-        speeds[shape_key(cfg)] = probe(ready, data, threads)
+        if shape_key(cfg) not in speeds:
+            progress(f"dry run: probing {what} at {threads} thread(s)")
+            speeds[shape_key(cfg)] = probe(ready, data, threads)
         if missing:
             to_build.append((what, missing, layer, stream))
     # As prepare_shared builds them: deepest first, its bottom truncations computed in the same pass.
     to_build.sort(key=lambda b: -b[2].num_layers)
     for i, (what, missing, layer, stream) in enumerate(to_build):
-        deeper = next((w for w, _, d, _ in to_build[:i] if layer.truncates(d)), None)
+        # Computed in a deeper BERT's pass only where it reads the same tokens (another document context does not).
+        deeper = next((w for w, _, d, s in to_build[:i]
+                       if layer.truncates(d) and layer.features_key(stream).inputs == d.features_key(s).inputs), None)
         if deeper is not None:
             shared.append((f"BERT features {what} (computed in the pass of {deeper})", 0.0))
             continue

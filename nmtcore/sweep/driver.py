@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from nmtcore import tracking
-from nmtcore.config import ConfigError, ExperimentConfig
+from nmtcore.config import BertConfig, ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
 from nmtcore.sweep import cost, pre_sweep, ray_backend, timing
 from nmtcore.sweep.dashboard import dashboard_access
@@ -378,14 +378,17 @@ def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str
     Returns the data checksums and each BERT's footprint (by :func:`~nmtcore.sweep.plan.bert_key`)."""
     checksums = pre_sweep.data_checksums(base.data)
     footprints: dict[str, BertFootprint] = {}
-    cached: list[tuple[int, str, ExperimentConfig]] = []  # the frozen BERTs whose features the trials read
+    made_bert: dict[str, BertConfig] = {}
     for cfg in distinct_berts(space, base):
-        what = _bert_name(cfg)
-        made, footprint = pre_sweep.ensure_bert_task(cfg, what)
-        footprints[bert_key(cfg)] = footprint
+        made, footprints[bert_key(cfg)] = pre_sweep.ensure_bert_task(cfg, _bert_name(cfg))
+        made_bert[bert_key(cfg)] = made.model.bert
+    cached: list[tuple[int, str, ExperimentConfig]] = []  # the frozen BERTs' streams whose features the trials read
+    streams = distinct_berts(space, base, streams=True)
+    for cfg in streams:
+        made = replace(cfg, model=replace(cfg.model, bert=made_bert[bert_key(cfg)]))
         b = made.model.bert
         if b.freeze and b.use_cache and not b.dropout_when_frozen:
-            cached.append((footprint.layers, what, made))
+            cached.append((footprints[bert_key(cfg)].layers, _stream_name(cfg, streams), made))
     # Deepest first: its pass also computes the features of its bottom truncations, whose own tasks then hit.
     cached.sort(key=lambda c: -c[0])
     for i, (_, what, made) in enumerate(cached):
@@ -398,6 +401,15 @@ def make_berts(base: ExperimentConfig, space: SearchSpace) -> None:
     feature caches (:func:`prepare_shared` adds those): what the cost estimate's probes need."""
     for cfg in distinct_berts(space, base):
         pre_sweep.ensure_bert_task(cfg, _bert_name(cfg), quality=False)
+
+
+def _stream_name(cfg: ExperimentConfig, streams: Sequence[ExperimentConfig]) -> str:
+    """A BERT's stream as the console names it: the BERT's name, with the document context it reads where the
+    space's trials read more than one stream of that BERT (``minilm, random context``)."""
+    name = _bert_name(cfg)
+    if sum(bert_key(s) == bert_key(cfg) for s in streams) < 2:
+        return name
+    return f"{name}, {getattr(cfg.model, 'context_type', cfg.model.name)} context"
 
 
 def _bert_name(cfg: ExperimentConfig) -> str:

@@ -117,9 +117,11 @@ def run_label(point: Mapping[str, Any], seed: int | None = None) -> str:
     return f"{label} seed {seed}" if seed is not None else label
 
 
-def distinct_berts(space: SearchSpace, base: ExperimentConfig) -> list[ExperimentConfig]:
+def distinct_berts(space: SearchSpace, base: ExperimentConfig, streams: bool = False) -> list[ExperimentConfig]:
     """One trial config per distinct BERT the space uses (every grid point; a sampled space's model), so a
-    driver can make each exist once before trials start."""
+    driver can make each exist once before trials start. ``streams``: one per distinct input stream of a BERT
+    instead (:func:`stream_key`): a document model's real, random and fixed context are three streams of one
+    BERT, each with feature caches of its own."""
     points: list[Any] = space.example_points() if not space.sampled else [None]
     seen: set[str] = set()
     out: list[ExperimentConfig] = []
@@ -130,11 +132,22 @@ def distinct_berts(space: SearchSpace, base: ExperimentConfig) -> list[Experimen
             cfg = base.with_overrides(overrides)
         except ConfigError:
             continue  # a sampled space's range ends were checked by validate_space; nothing to prepare
-        key = bert_key(cfg)
+        key = bert_key(cfg) + (stream_key(cfg) if streams else "")
         if cfg.model.bert.enabled and key not in seen:
             seen.add(key)
             out.append(cfg)
     return out
+
+
+# Besides the BERT itself, what decides the stream it reads (its feature-cache keys): the model that builds the stream,
+# and a document model's context (the previous sentence, random words or a fixed sentence before [SEP]).
+STREAM_KEYS = ("model.name", "model.context_type", "model.fixed_context", "model.random_context_seed")
+
+
+def stream_key(cfg: ExperimentConfig) -> str:
+    """What identifies a trial's BERT input stream beyond its BERT (:data:`STREAM_KEYS`)."""
+    flat = cfg.flat()
+    return json.dumps({k: flat.get(k) for k in STREAM_KEYS}, sort_keys=True, default=str)
 
 
 def bert_key(cfg: ExperimentConfig) -> str:
