@@ -147,6 +147,28 @@ def test_cpu_dropout_keeps_f_dropouts_semantics() -> None:
     assert torch.equal(a, dropout(x, 0.1, True))  # seeded like every other draw
 
 
+def test_a_bert_s_own_dropouts_draw_as_the_platform_s_and_stay_nn_dropouts() -> None:
+    """A BertLayer's ``transformers`` model has every ``nn.Dropout`` replaced by :class:`FastDropout` of the same rate:
+    the platform's draws (seeded as any other), still ``nn.Dropout`` instances whose ``p`` can be set."""
+    from nmtcore.bert import BertLayer
+    from nmtcore.config import BertConfig
+    from nmtcore.nn import dropout
+    from nmtcore.nn.layers import FastDropout, use_fast_dropout
+    from nmtcore.testing.zoo import TINY_BERT
+
+    layer = BertLayer(BertConfig(**{**TINY_BERT, "freeze": False}))
+    drops = [m for m in layer.bert.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(type(m) is FastDropout for m in drops)
+    assert use_fast_dropout(layer.bert) == 0  # nothing plain left
+    m = drops[0]
+    m.p = 0.3
+    x = torch.ones(64, 40, 32)
+    torch.manual_seed(7)
+    y = m.train()(x)
+    torch.manual_seed(7)
+    assert torch.equal(y, dropout(x, 0.3, True)) and m.eval()(x) is x
+
+
 # One tiny case per model class (variants share their class's code): what ``train.compile`` compiles.
 COMPILED_CASES = ["transformer", "bert_fused", "bert_jam", "mask_fusion", "doc_context", "plm_sponsored"]
 
