@@ -14,6 +14,8 @@ Steps (each a process of its own; its output goes to ``OUT/<step>.log``):
   blocks of 5 updates on the same batches (``--cache-rounds`` blocks each way).
 - ``decode_speed``: PLM-sponsored beam-5 sentences/s against the baseline's.
 - ``finetune_memory``: peak memory of the fine-tuned BERT trials against the baseline trial's.
+- ``bert_step``: a fine-tuned BERT's update with each of the platform's changes to ``transformers``' BERT on and off
+  (its dropouts, its attention input's cast), alternated on the same batches (``bench/bert_step.py``).
 - ``sweep_overhead``: one trial run directly and as the first of a two-seed sweep (2 threads, at most
   ``--sweep-updates`` updates in ``--sweep-epochs`` epochs; the second seed runs in the first one's Tune actor:
   what each further trial pays outside the trainer), ordered direct, sweep, sweep, direct (``--sweep-repeat 2``,
@@ -29,9 +31,9 @@ running after it, e.g. Ray's, count as others). A figure is worth reading when `
 ``sweep_overhead`` the trial itself trains in a Ray worker, which is not the bench's child, so about a core of
 it shows as others' there, and its load is the bench's own ``load_average_1min``.
 
-Allocator: ``bert_cache``, ``finetune_memory`` and ``sweep_overhead`` start on what a sweep's trials train on
-(:mod:`nmtcore.allocator`: tcmalloc where installed); ``vs_fairseq`` and ``decode_speed`` on glibc's malloc, as the
-fairseq peer runs and as ``nmtcore translate`` decodes. The summary names it.
+Allocator: ``bert_cache``, ``finetune_memory``, ``bert_step`` and ``sweep_overhead`` start on what a sweep's trials
+train on (:mod:`nmtcore.allocator`: tcmalloc where installed); ``vs_fairseq`` and ``decode_speed`` on glibc's malloc,
+as the fairseq peer runs and as ``nmtcore translate`` decodes. The summary names it.
 
 Prints a summary (every ratio line the benches print, with its bar) and writes it, with the per-step load, to
 ``OUT/summary.json`` and ``OUT/summary.md``. Run it alone on the machine.
@@ -53,7 +55,8 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-STEPS = ("peer", "vs_fairseq", "bert_cache", "decode_speed", "finetune_memory", "sweep_overhead", "first_run")
+STEPS = ("peer", "vs_fairseq", "bert_cache", "decode_speed", "finetune_memory", "bert_step", "sweep_overhead",
+         "first_run")
 # The lines each bench prints with a figure against a bar (or the ratios the bar is read from).
 SUMMARY_LINE = re.compile(r"^(RESULT |ratio |peer=|ceiling |nmtcore (thr|qual)|nmtcore peak_rss)")
 
@@ -97,6 +100,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], 
                           "--sentences", str(args.decode_sentences)], {}),
         "finetune_memory": ([py, str(BENCH / "finetune_memory.py"), "--data-dir", data, "--threads",
                              str(args.threads), "--updates", str(args.memory_updates)], {}),
+        "bert_step": ([py, str(BENCH / "bert_step.py"), "--data-dir", data, "--threads", str(args.threads)], {}),
         "sweep_overhead": ([py, str(BENCH / "sweep_overhead.py"), "--data-dir", data, "--threads", str(args.threads),
                             "--repeat", str(args.sweep_repeat), "--epochs", str(args.sweep_epochs),
                             "--max-updates", str(args.sweep_updates), "--out", str(out)], {}),

@@ -63,3 +63,18 @@ def test_bad_arguments_are_refused_naming_the_option(tmp_path, args, message):
     run = subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(tmp_path), *args],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_the_bert_step_bench_alternates_each_change_and_prints_its_ratio(shared_data, tmp_path):
+    """``bench/bert_step.py`` on BERT-JAM's phase 3 (a fine-tuned MiniLM), one block of one small update each way:
+    a RESULT line per change; unknown cases or changes are one-line errors."""
+    script = SCRIPT.parent / "bert_step.py"
+    run = subprocess.run([sys.executable, str(script), "--data-dir", str(shared_data), "--threads", "1",
+                          "--cases", "bert_jam_ft", "--block", "1", "--rounds", "1", "--max-tokens", "300"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [line.split(":")[0] for line in results] == ["RESULT bert_jam_ft dropout", "RESULT bert_jam_ft cast"]
+    assert all(0.2 < float(line.split("=")[1].split()[0]) < 5 for line in results), results
+    bad = subprocess.run([sys.executable, str(script), "--cases", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown nope" in bad.stderr

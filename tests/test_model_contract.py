@@ -147,6 +147,65 @@ def test_cpu_dropout_keeps_f_dropouts_semantics() -> None:
     assert torch.equal(a, dropout(x, 0.1, True))  # seeded like every other draw
 
 
+def test_a_bert_s_own_dropouts_draw_as_the_platform_s_and_stay_nn_dropouts() -> None:
+    """A BertLayer's ``transformers`` model has every ``nn.Dropout`` replaced by :class:`FastDropout` of the same rate:
+    the platform's draws (seeded as any other), still ``nn.Dropout`` instances whose ``p`` can be set."""
+    from nmtcore.bert import BertLayer
+    from nmtcore.config import BertConfig
+    from nmtcore.nn import dropout
+    from nmtcore.nn.layers import FastDropout, use_fast_dropout
+    from nmtcore.testing.zoo import TINY_BERT
+
+    layer = BertLayer(BertConfig(**{**TINY_BERT, "freeze": False}))
+    drops = [m for m in layer.bert.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(type(m) is FastDropout for m in drops)
+    assert use_fast_dropout(layer.bert) == 0  # nothing plain left
+    m = drops[0]
+    m.p = 0.3
+    x = torch.ones(64, 40, 32)
+    torch.manual_seed(7)
+    y = m.train()(x)
+    torch.manual_seed(7)
+    assert torch.equal(y, dropout(x, 0.3, True)) and m.eval()(x) is x
+
+
+def test_a_bert_s_attention_input_is_cast_once_under_autocast_with_autocast_s_values() -> None:
+    """Every BERT self-attention casts its fp32 input to bf16 once (a pre-hook) instead of once per projection: the
+    same forward values as autocast's own casts, gradients within bf16 rounding, nothing changed outside autocast."""
+    from nmtcore.bert import BertLayer
+    from nmtcore.bert.attention import _cast_once
+    from nmtcore.config import BertConfig
+    from nmtcore.testing.zoo import TINY_BERT
+
+    layer = BertLayer(BertConfig(**{**TINY_BERT, "freeze": False})).eval()
+    hooked = [m for m in layer.bert.modules() if _cast_once in [h for h in m._forward_pre_hooks.values()]]
+    assert hooked and len(hooked) == layer.num_layers
+    ids = torch.randint(5, layer.bert.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[2, 6:] = True
+
+    def run(with_hook: bool):
+        for m in hooked:
+            m._forward_pre_hooks.clear()
+            if with_hook:
+                m.register_forward_pre_hook(_cast_once, with_kwargs=True)
+        layer.bert.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer.run(ids, mask)[-1]
+        out.float().square().sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in layer.bert.named_parameters() if p.grad is not None}
+
+    (off, g_off), (on, g_on) = run(False), run(True)
+    assert torch.equal(on, off)
+    assert g_on.keys() == g_off.keys()
+    scale = max(g.norm() for g in g_off.values())  # the keys' bias has a gradient of 0 up to rounding
+    for name, g in g_on.items():  # bf16 rounding of the summed gradient: relative to the whole tensor
+        assert (g - g_off[name]).norm() <= 0.01 * g_off[name].norm() + 1e-6 * scale, name
+    with torch.no_grad():  # outside autocast: fp32 throughout, the hook does nothing
+        torch.testing.assert_close(layer.run(ids, mask)[-1], layer.run(ids, mask)[-1])
+        assert layer.run(ids, mask)[-1].dtype == torch.float32
+
+
 # One tiny case per model class (variants share their class's code): what ``train.compile`` compiles.
 COMPILED_CASES = ["transformer", "bert_fused", "bert_jam", "mask_fusion", "doc_context", "plm_sponsored"]
 

@@ -62,11 +62,35 @@ def register_attention() -> str:
 
 
 def use_platform_attention(model: nn.Module) -> nn.Module:
-    """Switch a ``transformers`` model to :data:`ATTENTION` where it dispatches through ``AttentionInterface``;
-    returns the model."""
+    """Switch a ``transformers`` model to :data:`ATTENTION` where it dispatches through ``AttentionInterface``, and
+    cast each attention's input once under autocast (:func:`cast_projections_once`); returns the model."""
     if getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation(register_attention())
+    cast_projections_once(model)
     return model
 
 
-__all__ = ["ATTENTION", "register_attention", "use_platform_attention"]
+def _cast_once(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Forward pre-hook: an fp32 ``hidden_states`` in autocast's precision, once for the three projections."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(x, Tensor) or x.dtype != torch.float32 or not torch.is_autocast_enabled(x.device.type):
+        return None
+    low = x.to(torch.get_autocast_dtype(x.device.type))
+    return ((low, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": low})
+
+
+def cast_projections_once(model: nn.Module) -> int:
+    """Give every self-attention of ``model`` with ``query``/``key``/``value`` projections (BERT's) a pre-hook that
+    casts its fp32 input to autocast's precision once: autocast casts a linear layer's input on each call, three
+    copies of the same activations forward, three conversions back. The values are autocast's own cast; the
+    gradient of the shared copy sums the three in that precision, as one fused projection's would (the platform's
+    own attention projects q, k and v in one product). Returns how many attentions it hooked."""
+    hooked = 0
+    for m in model.modules():
+        if all(isinstance(getattr(m, name, None), nn.Linear) for name in ("query", "key", "value")):
+            m.register_forward_pre_hook(_cast_once, with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+__all__ = ["ATTENTION", "cast_projections_once", "register_attention", "use_platform_attention"]

@@ -29,6 +29,7 @@ from nmtcore.config import BertConfig
 from nmtcore.data import BertInputs, EncodedSplit, PreparedData
 from nmtcore.devices import shape_free_cuda_attention
 from nmtcore.nn.checkpointing import checkpoint_layers
+from nmtcore.nn.layers import use_fast_dropout
 
 if TYPE_CHECKING:
     from nmtcore.data import Batch
@@ -132,6 +133,7 @@ class BertLayer(nn.Module):
                                                  pretrain_corpus=cfg.pretrain_corpus, pretrain_steps=cfg.pretrain_steps)
         config = self.resolved.hf_config()
         self.bert = self.resolved.load_model()
+        use_fast_dropout(self.bert)  # its hidden dropouts, while it is fine-tuned (nmtcore.nn.layers.dropout)
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
         wanted = range(self.num_layers + 1) if layers is None else layers

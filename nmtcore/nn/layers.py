@@ -56,6 +56,27 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
 
 
+class FastDropout(nn.Dropout):
+    """``nn.Dropout`` drawing its mask as :func:`dropout` does (the same semantics, faster on the CPU). It is an
+    ``nn.Dropout``, so code that finds or sets a model's dropout modules (their ``p``) treats it as one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+
+def use_fast_dropout(module: nn.Module) -> int:
+    """Replace every plain ``nn.Dropout`` inside ``module`` (a ``transformers`` model's) by a
+    :class:`FastDropout` of the same rate; returns how many. A fine-tuned BERT's hidden dropouts drew ~8% of a
+    CPU training step of the PLM-sponsored model through ``F.dropout``'s per-element Bernoulli draws."""
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Dropout:
+                setattr(parent, name, FastDropout(child.p, child.inplace))
+                swapped += 1
+    return swapped
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_softmax_vector_width() -> int:
     """Float32 lanes of the vector unit ATen's CPU kernels were dispatched for (16 on AVX512, 8 on AVX2 and
