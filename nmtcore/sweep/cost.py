@@ -360,8 +360,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     from nmtcore.bert import ensure_bert
     from nmtcore.data import prepare_data
     from nmtcore.sweep.baseline import baseline_key, checkpointed_epochs, default_root, find_baseline
-    from nmtcore.sweep.plan import (SEED_KEY, baseline_config, config_key, distinct_berts, trial_overrides,
-                                    validate_space)
+    from nmtcore.sweep.plan import (SEED_KEY, baseline_config, config_key, distinct_berts, stream_label,
+                                    trial_overrides, validate_space)
     from nmtcore.sweep.space import CELL_KEY
     from nmtcore.sweep.settings import resolve_settings
 
@@ -391,10 +391,9 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     # run of the grid then finds the probe of its BERT's cell instead of probing it again)
     speeds: dict[str, Speed] = {}
     to_build: list[tuple[str, int, Any, Any]] = []  # features missing: (what, sentences, layer, train stream)
-    for cfg in distinct_berts(space, base, streams=True):  # a document model's contexts: streams of their own
-        what = cfg.model.bert.name or f"L{cfg.model.bert.layers}-H{cfg.model.bert.hidden}"
-        context = getattr(cfg.model, "context_type", None)
-        what += f" ({context} context)" if context else ""
+    streams = distinct_berts(space, base, streams=True)  # a document model's contexts: streams of their own
+    for cfg in streams:
+        what = (cfg.model.bert.name or f"L{cfg.model.bert.layers}-H{cfg.model.bert.hidden}") + stream_label(cfg, streams)
         progress(f"dry run: BERT {what}: made if missing, then its features looked up in the cache")
         ready = ensure_bert(cfg)
         missing, layer = missing_features(ready, data) if shared_s is None else (0, None)

@@ -37,6 +37,7 @@ from nmtcore.sweep.plan import (
     bert_key,
     distinct_berts,
     expected_trials,
+    stream_label,
     trial_key,
     trial_overrides,
     validate_space,
@@ -388,7 +389,7 @@ def prepare_shared(base: ExperimentConfig, space: SearchSpace) -> tuple[dict[str
         made = replace(cfg, model=replace(cfg.model, bert=made_bert[bert_key(cfg)]))
         b = made.model.bert
         if b.freeze and b.use_cache and not b.dropout_when_frozen:
-            cached.append((footprints[bert_key(cfg)].layers, _stream_name(cfg, streams), made))
+            cached.append((footprints[bert_key(cfg)].layers, _bert_name(cfg) + stream_label(cfg, streams), made))
     # Deepest first: its pass also computes the features of its bottom truncations, whose own tasks then hit.
     cached.sort(key=lambda c: -c[0])
     for i, (_, what, made) in enumerate(cached):
@@ -401,15 +402,6 @@ def make_berts(base: ExperimentConfig, space: SearchSpace) -> None:
     feature caches (:func:`prepare_shared` adds those): what the cost estimate's probes need."""
     for cfg in distinct_berts(space, base):
         pre_sweep.ensure_bert_task(cfg, _bert_name(cfg), quality=False)
-
-
-def _stream_name(cfg: ExperimentConfig, streams: Sequence[ExperimentConfig]) -> str:
-    """A BERT's stream as the console names it: the BERT's name, with the document context it reads where the
-    space's trials read more than one stream of that BERT (``minilm, random context``)."""
-    name = _bert_name(cfg)
-    if sum(bert_key(s) == bert_key(cfg) for s in streams) < 2:
-        return name
-    return f"{name}, {getattr(cfg.model, 'context_type', cfg.model.name)} context"
 
 
 def _bert_name(cfg: ExperimentConfig) -> str:

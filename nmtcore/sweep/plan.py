@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from nmtcore.config import MODEL_CONFIGS, ConfigError, ExperimentConfig
 from nmtcore.sweep.space import CELL_KEY, SearchSpace, SpaceError, point_label
@@ -148,6 +148,14 @@ def stream_key(cfg: ExperimentConfig) -> str:
     """What identifies a trial's BERT input stream beyond its BERT (:data:`STREAM_KEYS`)."""
     flat = cfg.flat()
     return json.dumps({k: flat.get(k) for k in STREAM_KEYS}, sort_keys=True, default=str)
+
+
+def stream_label(cfg: ExperimentConfig, streams: Sequence[ExperimentConfig]) -> str:
+    """What the console adds to a BERT's name for ``cfg``'s stream: ``", random context"`` where ``streams`` (those
+    of :func:`distinct_berts` with ``streams=True``) hold more than one stream of that BERT, else nothing."""
+    if sum(bert_key(s) == bert_key(cfg) for s in streams) < 2:
+        return ""
+    return f", {getattr(cfg.model, 'context_type', cfg.model.name)} context"
 
 
 def bert_key(cfg: ExperimentConfig) -> str:
