@@ -9,7 +9,8 @@ Three kinds of figure, each from a hook every model declares (:class:`~nmtcore.m
   weight per BERT layer);
 - ``probe/<name>``: figures gathered over one teacher-forced pass of the validation set
   (:meth:`~nmtcore.models.NMTModel.usage_probe`; document context: its gates' BERT share; mask fusion: the
-  masked fraction).
+  masked fraction; BERT-JAM: its joint attentions' share on BERT; PLM-sponsored: the coordinator's attention on
+  each part, the source BERT's distance from the pretrained one, the MLM and target-LM accuracies).
 
 And for every model, the control too, how its scores and its translations relate, under each switch (or, for a
 model without switches, as ``tested``): ``valid_bleu/<switch>``, ``valid_len_ratio/<switch>`` (the greedy

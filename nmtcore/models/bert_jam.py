@@ -39,8 +39,9 @@ a reason:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +51,7 @@ from nmtcore.config import BertJamConfig, ExperimentConfig, PhaseConfig
 from nmtcore.models.base import MemoryTraits
 from nmtcore.models.transformer import Transformer
 from nmtcore.nn.checkpointing import checkpoint_layers
+from nmtcore.nn.probes import PartShares, tapping
 from nmtcore.nn import (DecoderState, DropNet, EncoderOut, FeedForward, LayerCache, Residual, attend_parts,
                         causal_mask, combine, compute_dtype, merge_heads, split_heads)
 
@@ -72,6 +74,7 @@ class JointAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.kv_memory = nn.Linear(kdim, 2 * d_model)
         self.out = nn.Linear(d_model, d_model)
+        self.tap: PartShares | None = None  # the diagnostics' probe (BertJam.usage_probe)
         nn.init.xavier_uniform_(self.qkv.weight, gain=2**-0.5)
         nn.init.xavier_uniform_(self.kv_memory.weight, gain=2**-0.5 if kdim == d_model else 1.0)
         nn.init.xavier_uniform_(self.out.weight)
@@ -97,7 +100,7 @@ class JointAttention(nn.Module):
         allowed_s = ~memory_mask[:, None, None, :]  # (B, 1, 1, M)
         # Eq. 5: K = (k^R_1..k^R_n, k^S_1..k^S_m), one softmax over both (Eq. 6-7), by attend_parts.
         y = attend_parts(q, [(k, v, allowed_r), (k_s, v_s, allowed_s)],
-                         self.attention_dropout if self.training else 0.0)
+                         self.attention_dropout if self.training else 0.0, tap=self.tap)
         return self.out(merge_heads(y))  # (B, T, C)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
@@ -237,6 +240,35 @@ class BertJam(Transformer):
                 beta = torch.stack([g.beta.detach().float() for g in glus]).mean(0)
                 out.update({f"glu_beta/{stack}/L{i + 1}": float(b) for i, b in enumerate(beta)})
         return out
+
+    @contextlib.contextmanager
+    def usage_probe(self) -> Iterator[dict[str, float]]:
+        """The share of each joint attention's mass (Eq. 5-7: one softmax over both parts) on its second part,
+        mean over layers, heads and real query positions of the forwards in the block: ``attention/enc/bert``
+        (the encoder's self-attention on BERT, against the source tokens), ``attention/dec/bert`` (the decoder's
+        BERT attention on BERT, against its own prefix) and ``attention/dec/encoder`` (its encoder attention on
+        the encoder's output, against its own prefix)."""
+        out: dict[str, float] = {}
+        probes = {"enc/bert": (PartShares(("self", "bert")), [layer.self_attn for layer in self.encoder_layers]),
+                  "dec/bert": (PartShares(("self", "bert")), [layer.bert_attn for layer in self.decoder_layers]),
+                  "dec/encoder": (PartShares(("self", "encoder")), [layer.enc_attn for layer in self.decoder_layers])}
+
+        def queries(module: nn.Module, args: tuple) -> None:
+            batch = args[0]
+            for name, (shares, _) in probes.items():
+                shares.set_queries(~batch.src_mask if name.startswith("enc") else batch.tgt_in.ne(self.pad_id))
+
+        handle = self.register_forward_pre_hook(queries)
+        try:
+            with contextlib.ExitStack() as taps:
+                for shares, modules in probes.values():
+                    taps.enter_context(tapping(modules, shares))
+                yield out
+        finally:
+            handle.remove()
+        for name, (shares, _) in probes.items():
+            out.update({f"attention/{name}": v for k, v in shares.shares("attention").items()
+                        if not k.endswith("/self")})
 
     # ------------------------------------------------------------------ phases (data the trainer reads)
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -95,11 +95,13 @@ the coordinator, the gates and the heads are read against the paper's equations 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import math
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +115,7 @@ from nmtcore.models.fwet import prepare_fwet
 from nmtcore.nn import (DecoderState, EncoderOut, FeedForward, LayerCache, Residual, SelfAttention,
                         SinusoidalPositions, attend_parts, causal_mask, dropout, merge_heads, split_heads)
 from nmtcore.nn.checkpointing import checkpoint_layers
+from nmtcore.nn.probes import PartShares, tapping
 from nmtcore.nn.cross_entropy import mean_nll
 
 if TYPE_CHECKING:
@@ -295,6 +298,7 @@ class CoordinatorAttention(nn.Module):
         self.q = nn.Linear(d_model, d_model)
         self.kv = nn.Linear(d_model, 2 * d_model)
         self.out = nn.Linear(d_model, d_model)
+        self.tap: PartShares | None = None  # the diagnostics' probe (usage_probe)
         nn.init.xavier_uniform_(self.q.weight, gain=2**-0.5)
         nn.init.xavier_uniform_(self.kv.weight, gain=2**-0.5)
         nn.init.xavier_uniform_(self.out.weight)
@@ -329,7 +333,7 @@ class CoordinatorAttention(nn.Module):
         allowed_s = (~src_mask)[:, None, None, :]  # (B, 1, 1, S)
         causal = causal_mask(t_q, t_k, x.device) if t_q > 1 else None  # (T, t)
         parts = [(k_s, v_s, allowed_s), (k_t, v_t, causal), (k_h, v_h, causal)]  # r_all
-        y = attend_parts(q, parts, self.attention_dropout if self.training else 0.0)
+        y = attend_parts(q, parts, self.attention_dropout if self.training else 0.0, tap=self.tap)
         return self.out(merge_heads(y))  # (B, T, C)
 
 
@@ -437,6 +441,86 @@ class PlmSponsored(NMTModel):
         tgt = [p for n, p in self.decoder.named_parameters() if not n.startswith("word.")]
         teacher = list(self.teacher.parameters()) if self.teacher is not None else []
         return self.groups(bert=self.bert.parameters(), tgt_bert=tgt, kd_teacher=teacher)
+
+    # ------------------------------------------------------------------ diagnostics
+    @contextlib.contextmanager
+    def usage_probe(self) -> Iterator[dict[str, float]]:
+        """What each branch and each term of Eq. 9 left in the trained model, over the (teacher-forced, eval)
+        forwards in the block; every arm of the loss ablation gets the figures its modules allow:
+
+        - ``attention/source``, ``attention/target_bert``, ``attention/history``: the share of the coordinator's
+          attention (Eq. 2's r_all) on r_S (the source BERT), r_T (the target BERT) and r_{j−1} (its own states),
+          mean over layers, heads and real target positions;
+        - ``source_gate/top``: Eq. 6's g, the weight of h_M against h_{M/2}, mean over real WordPieces and units
+          (with the gate);
+        - ``pretrained_mse/half``, ``pretrained_mse/top``: Eq. 4's ||r_plm − h||² (per unit, real WordPieces) of
+          the fine-tuned BERT's half layer (what L_kd pulls on) and top layer (L_fkd), r_plm the pretrained BERT's
+          top layer (the teacher; loaded for the probe in arms without one); ``pretrained_mse/own_half``: the
+          pretrained BERT's own half layer against its top, where L_kd starts from. How far fine-tuning moved the
+          source BERT from what it was pretrained to be, with and without KD;
+        - ``mlm/acc``: the MLM head's masked-WordPiece top-1 on the validation source, BERT's masking recipe with
+          fixed draws (arms with L_MLM);
+        - ``target_lm/acc``, ``target_lm/nll``: the target BERT alone (no source) predicting the next target
+          subword through the tied table, as Eq. 8 trains it (L_T), over every real target position (nll in
+          bits per token): every arm, so the arms without L_T show what the decoder learnt of it anyway.
+        """
+        out: dict[str, float] = {}
+        shares = PartShares(("source", "target_bert", "history"))
+        sums: dict[str, list[float]] = {}  # figure → [Σ, n]
+        pretrained: list[nn.Module] = []  # the pretrained source BERT of an arm without a teacher, loaded once
+        batches = [0]
+
+        def add(name: str, total: float, n: int) -> None:
+            acc = sums.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += n
+
+        def queries(module: nn.Module, args: tuple) -> None:
+            shares.set_queries(args[0].tgt_in.ne(self.pad_id))  # (B, T)
+
+        def extras(module: nn.Module, args: tuple, output: ModelOutput) -> None:
+            batch = args[0]
+            x = batch.extras
+            half, top, mask = self.encoder_states(batch)
+            real = ~mask  # (B, Tb)
+            if self.encoder_gate is not None:
+                g = torch.sigmoid(self.encoder_gate.gate(torch.cat([top, half], dim=-1)))  # (B, Tb, H)
+                add("source_gate/top", float(g[real].float().sum()), int(real.sum()) * g.size(-1))
+            if not pretrained:
+                pretrained.append(self.teacher.bert if self.teacher is not None
+                                  else self.bert.resolved.load_model().to(mask.device).eval())
+            ref = pretrained[0](input_ids=x["bert_ids"], attention_mask=real.long(), token_type_ids=x["bert_segments"],
+                                output_hidden_states=True, return_dict=True).hidden_states
+            r_plm = ref[self.top_layer]
+            for name, h in (("half", half), ("top", top), ("own_half", ref[self.half_layer])):
+                diff = h[real].float() - r_plm[real].float()
+                add(f"pretrained_mse/{name}", float(diff.pow(2).sum()), diff.numel())
+            if self.mlm_head is not None:
+                ids = x["bert_ids"]
+                enc = self.bert.encoder
+                gen = torch.Generator(device=ids.device).manual_seed(batches[0])
+                corrupted, selected = mlm_corrupt(ids, mask | ids.eq(enc.cls_id) | ids.eq(enc.sep_id),
+                                                  self.mask_token_id, self.mlm_head.bias.numel(), prob=self.cfg.mlm_prob,
+                                                  generator=gen, at_least_one=False)
+                states = self.bert.run(corrupted, mask, x["bert_segments"])[-1]
+                hits = self.mlm_head(states[selected]).argmax(-1).eq(ids[selected])
+                add("mlm/acc", float(hits.sum()), hits.numel())
+            keep = batch.tgt_out.ne(self.pad_id)  # (B, T)
+            logits = F.linear(self.decoder(batch.tgt_in)[keep], self.decoder.word.weight).float()  # (N, V)
+            target = batch.tgt_out[keep]
+            add("target_lm/acc", float(logits.argmax(-1).eq(target).sum()), target.numel())
+            add("target_lm/nll", float(F.cross_entropy(logits, target, reduction="sum")) / math.log(2), target.numel())
+            batches[0] += 1
+
+        handles = [self.register_forward_pre_hook(queries), self.register_forward_hook(extras)]
+        try:
+            with tapping([layer.attn for layer in self.coordinator], shares):
+                yield out
+        finally:
+            for h in handles:
+                h.remove()
+        out.update(shares.shares("attention"))
+        out.update({name: total / n for name, (total, n) in sums.items() if n})
 
     # ------------------------------------------------------------------ pieces
     def fuse_source(self, top: Tensor, half: Tensor) -> Tensor:

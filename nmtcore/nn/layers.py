@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -216,7 +217,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, d
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
 
-def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], dropout_p: float) -> Tensor:
+def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], dropout_p: float,
+                 tap: Callable[[list[Tensor]], None] | None = None) -> Tensor:
     """Attention of ``q`` (B, H, Tq, Dh) over the concatenation of several key/value sequences, each given as
     ``(k, v, mask)`` with k, v (B, H, Tk_i, Dh) and ``mask`` broadcastable to (B, 1, Tq, Tk_i) (True = may
     attend; None = every key): one softmax over all of them, as :func:`attend` over the concatenated keys,
@@ -229,10 +231,13 @@ def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], d
     fused kernels on CUDA, one product per side on the CPU): over a sequence of queries, as in training,
     the copy costs less than a second product per part and the scores' join (BERT-JAM phase 1 on 2 cores,
     bf16, blocks of 5 updates on the same batches alternated 12 times: 0.945 of the per-part path's time
-    per target token)."""
+    per target token).
+
+    ``tap`` (the diagnostics' probes, :class:`nmtcore.nn.probes.PartShares`): takes the per-part path and is
+    handed, before dropout, the probability mass each part received, one (B, H, Tq) fp32 tensor per part."""
     t_q, t_k = q.size(2), sum(k.size(2) for k, _, _ in parts)
     groups = [queries_per_memory_row(q, k) for k, _, _ in parts]  # > 1: a memory shared by beams (see attend)
-    if t_q > 1 or not _explicit_path(q, t_k):
+    if tap is None and (t_q > 1 or not _explicit_path(q, t_k)):
         b = q.size(0)
         masks = [torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m for _, _, m in parts]
         masks = [m.repeat_interleave(g, 0) if g > 1 and m.size(0) > 1 else m for m, g in zip(masks, groups)]
@@ -246,7 +251,10 @@ def attend_parts(q: Tensor, parts: list[tuple[Tensor, Tensor, Tensor | None]], d
         s = attention_scores(q if g == 1 else group_rows(q, g), k) * scale  # (B, H, Tq, Tk_i)
         s = s if mask is None else s.masked_fill(~mask, float("-inf"))
         joined.append(s if g == 1 else ungroup_rows(s, g))
-    probs = dropout(softmax(torch.cat(joined, dim=-1)), dropout_p, True)  # (B, H, Tq, ΣTk)
+    probs = softmax(torch.cat(joined, dim=-1))  # (B, H, Tq, ΣTk)
+    if tap is not None:
+        tap([p.float().sum(-1) for p in probs.split([k.size(2) for k, _, _ in parts], dim=-1)])
+    probs = dropout(probs, dropout_p, True)
     # split, not slices: its backward joins the parts' gradients in one cat, where each slice's filled a
     # zeroed copy of the whole probabilities and summed them.
     out = None

@@ -201,7 +201,10 @@ def diagnostics_table(report: SweepReport) -> list[str]:
                 if ref is not None and ref.control else "")
              + ". `bert_usage/...`: read off the weights (BERT-JAM: GLU weight per BERT layer, Eq. 8); "
              "`probe/...`: over one pass of the validation set (document context: the gates' weight on BERT; "
-             "mask fusion: the masked fraction). For every arm, the control too (`tested`: a model without "
+             "mask fusion: the masked fraction; BERT-JAM: the share of each joint attention on BERT or the "
+             "encoder; PLM-sponsored: the coordinator's attention on the source BERT, the target BERT and its "
+             "own states, Eq. 6's gate, the fine-tuned source BERT's mean squared distance from the pretrained "
+             "one's top layer, the MLM head's and the target BERT's next-token accuracy). For every arm, the control too (`tested`: a model without "
              "switches): `valid_len_ratio` the greedy output's length over the references', `valid_token_acc` the "
              "teacher-forced share of target tokens that are the top choice, `valid_entropy` and `valid_nll` in "
              "bits per target token: where equal NLL and unequal BLEU part ways.", "",
