@@ -52,6 +52,7 @@ from nmtcore.sweep.settings import (
 )
 from nmtcore.sweep.space import SearchSpace
 from nmtcore.sweep.state import STATE_FILE, ResumeState, mark_started, started_space
+from nmtcore.sweep.timelimit import TimeLimit, clock_time, parse_duration
 from nmtcore.tracking import schema
 
 
@@ -110,12 +111,17 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
     t0 = time.perf_counter()
     clock = timing.PhaseClock(t0=t0)
     settings = resolve_settings(settings)
+    limit = TimeLimit(time.time() + parse_duration(settings.time_limit)) if settings.time_limit else None
     exp_dir = join(settings.storage, settings.name)
     state, space, base, settings = _resumed(space, base, settings, exp_dir)
     validate_space(space, base, settings.seeds)
     if state is None and not is_uri(settings.storage):
         mark_started(exp_dir, space.name)
     worker_env = settings.worker_env()  # the processes that train: the baseline task and the trials' workers
+    if limit is not None:
+        print(f"sweep {settings.name}: time limit {settings.time_limit}: it stops by {clock_time(limit.stop_at)} "
+              "(as SIGTERM stops it; continue with --resume)", flush=True)
+        limit.start()
     started_ray = not ray_backend.ray_is_running()
     with clock.phase("Ray start"):
         dashboard_url = ray_backend.init_ray(
@@ -133,8 +139,10 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
         ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env, data)
         interrupted, trials, report_files = _run_trials(ctx, space, base, settings, parent, exp_dir, state,
-                                                       on_trial_end, dashboard_url, clock)
+                                                       on_trial_end, dashboard_url, clock, limit)
     finally:
+        if limit is not None:
+            limit.cancel()
         if started_ray:
             ray_backend.shutdown_ray()  # a cluster this call started ends with it; a joined or caller's one stays
     return SweepResult(name=settings.name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri,
@@ -286,7 +294,8 @@ def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: Experim
                 parent: tracking.Tracker, exp_dir: str, state: ResumeState | None,
                 on_trial_end: Callable[[dict[str, Any]], None] | None,
                 dashboard_url: str | None,
-                clock: timing.PhaseClock | None = None) -> tuple[bool, list[TrialRecord], list[str]]:
+                clock: timing.PhaseClock | None = None,
+                limit: TimeLimit | None = None) -> tuple[bool, list[TrialRecord], list[str]]:
     """Every Tune run of the sweep (:func:`phases`), then its bookkeeping: orphaned child runs ended, the
     parent tagged interrupted (KILLED) or the report made, and the session's time split (``clock``) stored on
     the parent beside the earlier sessions' and printed. Returns (interrupted, the trials, the report files)."""
@@ -301,7 +310,7 @@ def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: Experim
             for cells, exp in phases(space, exp_dir):
                 outcome = ray_backend.run_tune(
                     ctx, settings, exp, base.train.max_epochs, restore=state is not None, cells=cells,
-                    on_trial_end=on_trial_end,
+                    on_trial_end=on_trial_end, limit=limit,
                     before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space))
                 saved += outcome.trials
                 leaked += outcome.leaked_removed

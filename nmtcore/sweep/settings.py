@@ -11,6 +11,7 @@ from typing import Any
 
 from nmtcore.allocator import AllocatorError, allocator_choice, preload_env, resolve_allocator
 from nmtcore.tracking import resolve_tracking_uri
+from nmtcore.sweep.timelimit import TimeLimitError, parse_duration
 
 DEFAULT_EXPERIMENT = "nmtcore-sweeps"
 REQUIRED_FIELD = dataclasses.MISSING
@@ -60,6 +61,9 @@ class SweepSettings:
         address: an existing Ray cluster to join (``ray://`` or ``host:port``); ``None`` = start a
             local one (or use the one this process already started).
         resume: continue the sweep ``<storage>/<name>`` instead of starting one.
+        time_limit: how long the sweep may run from its start (:func:`~nmtcore.sweep.timelimit.parse_duration`);
+            it then stops by sending its process SIGTERM, which the sweep's command turns into Tune's graceful
+            stop (:mod:`nmtcore.sweep.timelimit`).
         reuse_trials: copy a finished trial of any sweep in the store whose reuse key is this trial's instead of
             training it again (:mod:`nmtcore.sweep.reuse`).
         estimate: print (and log to the parent run as ``estimate.json``) what the baseline and the trials will
@@ -103,6 +107,10 @@ class SweepSettings:
     worker_start_timeout_s: float = 120.0
     address: str | None = option(None, "join this Ray cluster (host:port) instead of starting a local one")
     resume: bool = option(False, "continue the interrupted sweep of the same --name")
+    time_limit: str | None = option(None, "be gone by then, counted from the sweep's start: minutes or e.g. "
+                                          "2h50m; the sweep stops as SIGTERM stops it (continue with --resume), "
+                                          "right after the last epoch checkpoint a trial can write before the "
+                                          "limit (nmtcore.sweep.timelimit)")
     reuse_trials: bool = option(True, "a trial already trained in this MLflow store by any sweep with the same "
                                       "config, seed, code, data and starting weights is copied into this sweep "
                                       "instead of trained again (nmtcore.sweep.reuse)")
@@ -143,6 +151,11 @@ class SweepSettings:
         for ok, msg in checks:
             if not ok:
                 raise SweepError(msg)
+        if self.time_limit is not None:
+            try:
+                parse_duration(self.time_limit)
+            except TimeLimitError as e:
+                raise SweepError(str(e)) from None
         try:
             resolve_allocator(self.allocator)
         except AllocatorError as e:

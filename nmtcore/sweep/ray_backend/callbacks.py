@@ -1,6 +1,7 @@
 """The driver's Tune callbacks: :class:`_SweepCallback` keeps each trial's MLflow record in step with Tune (ends
 the child runs of stopped and failed trials, removes leaked worker reservations), :class:`_TrialsConsole` prints
-the trials' progress lines; and the names Tune shows for trials."""
+the trials' progress lines, :class:`_TimeLimitCallback` stops the sweep before its ``--time-limit``; and the names
+Tune shows for trials."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nmtcore.sweep.lifecycle import FAILURE_KIND_TAG, TUNE_STATUS_TAG, TrialStat
 from nmtcore.sweep.plan import SEED_KEY, trial_key, trial_overrides, trial_point
 from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress, console_line, duration
 from nmtcore.sweep.space import SearchSpace
+from nmtcore.sweep.timelimit import TimeLimit, clock_time
 from nmtcore.sweep.trial import SweepContext, failure_reason, is_out_of_memory, run_name
 from nmtcore.tracking import schema
 
@@ -178,6 +180,37 @@ class _TrialsConsole(tune.Callback):
         running = "; ".join(f"{self.name_of(t)} epoch {self._epoch(t)}/{self.max_epochs}, {self._ran(t)}"
                             for t in trials if t.status == "RUNNING")
         return f"trials: {head or 'none yet'}" + (f" · {running}" if running else "")
+
+
+class _TimeLimitCallback(tune.Callback):
+    """Tells the sweep's :class:`~nmtcore.sweep.timelimit.TimeLimit` of each epoch checkpoint (a trial's result:
+    trials report with a checkpoint at every epoch's end) and stops the sweep right after one once no running trial
+    can write another before the limit. Pickled with the Tuner, it leaves the limit behind (a restored Tuner gets
+    a live one)."""
+
+    def __init__(self, limit: TimeLimit | None) -> None:
+        self.limit = limit
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"limit": None}
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
+        if self.limit is None:
+            return
+        self.limit.checkpointed(trial.trial_id, float(result.get("time_this_iter_s") or 0.0))
+        running = [t.trial_id for t in trials if t.status == "RUNNING"]
+        if self.limit.nothing_more_fits(running):
+            self.limit.fire(f"no running trial can write another epoch checkpoint before {clock_time(self.limit.stop_at)}"
+                            f" (less {self.limit.margin_s:.0f} s to stop in)")
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        if self.limit is not None:
+            self.limit.forget(trial.trial_id)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        if self.limit is not None:
+            self.limit.forget(trial.trial_id)
 
 
 def _trial_name(trial: Any) -> str:

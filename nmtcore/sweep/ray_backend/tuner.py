@@ -12,10 +12,12 @@ from typing import Any, Callable
 from ray import tune
 
 from nmtcore.sweep.settings import SweepSettings, is_uri
+from nmtcore.sweep.timelimit import TimeLimit
 from nmtcore.sweep.trial import SweepContext
 
 from nmtcore.sweep.ray_backend._private import replace_callbacks, set_concurrency
-from nmtcore.sweep.ray_backend.callbacks import _SweepCallback, _TrialNames, _TrialsConsole, _trial_name
+from nmtcore.sweep.ray_backend.callbacks import (_SweepCallback, _TimeLimitCallback, _TrialNames, _TrialsConsole,
+                                                  _trial_name)
 from nmtcore.sweep.ray_backend.cluster import DRIVER_RESOURCES, trials_that_fit
 from nmtcore.sweep.ray_backend.search import num_samples, param_space, reuse_trial_actors, scheduler, search_algorithm
 from nmtcore.sweep.ray_backend.trial import _named_trainable, actor_memory, trial_actor_resources
@@ -49,10 +51,11 @@ class TuneOutcome:
 
 def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epochs: int, restore: bool,
              cells: bool | None = None, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
-             before_fit: Callable[[], None] | None = None) -> TuneOutcome:
+             before_fit: Callable[[], None] | None = None, limit: TimeLimit | None = None) -> TuneOutcome:
     """Run (``restore``: continue) one Tune run of ``ctx.space`` under ``exp_dir``: its cells (a grid study,
     or a sampled study's control), or (``cells=False``) the search of a sampled space. Blocks until it ends
-    or is interrupted. ``before_fit`` is called once the Tuner is ready (the driver prints where to watch)."""
+    or is interrupted. ``before_fit`` is called once the Tuner is ready (the driver prints where to watch);
+    ``limit``: the sweep's time limit, told of every trial's checkpoints (it stops the sweep once none fits)."""
     space = ctx.space
     cells = not space.sampled if cells is None else cells
     # Per worker: its estimate, and its share of the trial actor's own small reservation.
@@ -68,6 +71,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     max_concurrent = min(settings.max_concurrent or fits, fits)
     callback = _SweepCallback(ctx, on_trial_end)
     console = _TrialsConsole(_TrialNames(space, ctx.base_seed), space.metric, max_epochs)
+    live = [callback, console] + ([_TimeLimitCallback(limit)] if limit is not None else [])
     trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx),
                                     trial_actor_resources(ctx))
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
@@ -77,7 +81,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
                                    resume_errored=False, restart_errored=False)
         # A restored Tuner keeps the callbacks and limits it was created with (pickled); ours must be live,
         # and the concurrency must fit the cluster the sweep resumes on.
-        replace_callbacks(tuner, [callback, console])
+        replace_callbacks(tuner, live)
         set_concurrency(tuner, max_concurrent)
     else:
         trial_scheduler = scheduler(space, settings, max_epochs, cells)
@@ -98,7 +102,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),
                                       # Trials training in their actor report epoch checkpoints to Tune.
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                                      callbacks=[callback, console], verbose=settings.verbose))
+                                      callbacks=live, verbose=settings.verbose))
     if before_fit is not None:
         before_fit()
     tuner.fit()

@@ -1,0 +1,142 @@
+"""``--time-limit`` (nmtcore.sweep.timelimit): the duration it reads, when it stops a sweep (right after the last
+epoch checkpoint that fits, the timer at the latest), that it stops once, and that its stop is the command's
+graceful SIGTERM."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nmtcore.sweep.ray_backend.callbacks import _TimeLimitCallback
+from nmtcore.sweep.settings import SweepError, SweepSettings
+from nmtcore.sweep.timelimit import TimeLimit, TimeLimitError, parse_duration
+
+
+@pytest.mark.parametrize("text, seconds", [("170", 10200), ("2.5", 150), ("2h50m", 10200), ("3h", 10800),
+                                           ("45m", 2700), ("1h 5min", 3900), (" 90M ", 5400)])
+def test_durations_read_as_minutes_or_hours_and_minutes(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "0", "-5", "2h50", "h", "nan", "inf"])
+def test_a_bad_duration_fails_naming_the_option(text):
+    with pytest.raises(TimeLimitError, match="^time_limit: "):
+        parse_duration(text)
+    with pytest.raises(SweepError, match="^time_limit: "):
+        SweepSettings(name="x", storage="/tmp/x", time_limit=text)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limit_at(stop_at: float, clock: Clock, stops: list[int]) -> TimeLimit:
+    return TimeLimit(stop_at, margin_s=60.0, stop=lambda: stops.append(1), clock=clock)
+
+
+def test_it_waits_while_a_running_trial_can_still_checkpoint_before_the_limit():
+    """Stop-by is the limit less the margin (2000 − 60); a trial's next checkpoint is its last plus its last
+    epoch's time. The sweep stops only once every running trial's next one falls after stop-by, and never while a
+    running trial has not reported an epoch yet."""
+    clock, stops = Clock(), []
+    limit = limit_at(2000.0, clock, stops)
+    assert not limit.nothing_more_fits([])
+    limit.checkpointed("a", 600.0)  # at 1000: next at 1600, before 1940
+    assert not limit.nothing_more_fits(["a"])
+    clock.now = 1600.0
+    limit.checkpointed("a", 600.0)  # next at 2200: after
+    assert limit.nothing_more_fits(["a"])
+    assert not limit.nothing_more_fits(["a", "b"])  # b has written nothing yet: it may
+    limit.checkpointed("b", 300.0)  # at 1600: next at 1900, before 1940
+    assert not limit.nothing_more_fits(["a", "b"])
+    limit.forget("b")  # b ended (done, or failed)
+    assert limit.nothing_more_fits(["a"]) and not stops
+
+
+def test_the_callback_stops_the_sweep_once_after_the_last_checkpoint_that_fits():
+    clock, stops = Clock(), []
+    limit = limit_at(2000.0, clock, stops)
+    callback = _TimeLimitCallback(limit)
+    a, b = SimpleNamespace(trial_id="a", status="RUNNING"), SimpleNamespace(trial_id="b", status="RUNNING")
+    callback.on_trial_result(1, [a, b], a, {"time_this_iter_s": 500.0})  # a: next at 1500
+    callback.on_trial_result(1, [a, b], b, {"time_this_iter_s": 800.0})  # b: next at 1800
+    assert not stops
+    clock.now = 1500.0
+    callback.on_trial_result(2, [a, b], a, {"time_this_iter_s": 500.0})  # a: next at 2000 > 1940; b's 1800 fits
+    assert not stops
+    clock.now = 1800.0
+    callback.on_trial_result(2, [a, b], b, {"time_this_iter_s": 800.0})  # b: next at 2600: nothing more fits
+    assert stops == [1] and "no running trial can write another epoch checkpoint" in limit.fired
+    callback.on_trial_result(3, [a, b], a, {"time_this_iter_s": 500.0})
+    limit.fire("the timer")
+    assert stops == [1]  # a second SIGTERM would skip Tune's graceful stop
+    # A finished trial no longer holds the sweep up.
+    clock2, stops2 = Clock(), []
+    limit2 = limit_at(2000.0, clock2, stops2)
+    cb2 = _TimeLimitCallback(limit2)
+    c = SimpleNamespace(trial_id="c", status="RUNNING")
+    cb2.on_trial_result(1, [a, c], a, {"time_this_iter_s": 2000.0})
+    cb2.on_trial_complete(1, [a, c], c)
+    assert not stops2  # c is still listed as running in this step, with no checkpoint: wait
+    c.status = "TERMINATED"
+    cb2.on_trial_result(2, [a, c], a, {"time_this_iter_s": 2000.0})
+    assert stops2 == [1]
+
+
+def test_the_callback_pickles_without_its_limit():
+    """Tune pickles a new Tuner's callbacks (tuner.pkl); the limit's timer thread cannot be, and a restored Tuner
+    gets live callbacks anyway."""
+    import time
+
+    callback = _TimeLimitCallback(TimeLimit(time.time() + 3600.0, stop=lambda: None).start())
+    try:
+        assert pickle.loads(pickle.dumps(callback)).limit is None
+    finally:
+        callback.limit.cancel()
+
+
+def test_the_timer_stops_at_the_limit_less_the_margin():
+    import time
+
+    done = threading.Event()
+    limit = TimeLimit(time.time() + 60.3, margin_s=60.0, stop=done.set).start()
+    assert done.wait(5) and "60 s away" in limit.fired
+    quiet = threading.Event()
+    TimeLimit(time.time() + 60.3, margin_s=60.0, stop=quiet.set).start().cancel()
+    assert not quiet.wait(1)
+
+
+SCRIPT = """
+import time
+from nmtcore.cli.sweep import SigtermAsCtrlC
+from nmtcore.sweep.timelimit import TimeLimit
+
+with SigtermAsCtrlC() as stop:
+    TimeLimit(time.time() + 0.5, margin_s=0.0).start()
+    try:
+        time.sleep(30)
+    except KeyboardInterrupt:
+        print("stopped by signal", stop.received)
+"""
+
+
+def test_its_stop_is_the_sweep_commands_sigterm():
+    """The default stop sends this process SIGTERM, which a sweep command (``SigtermAsCtrlC``) turns into the same
+    stop as Ctrl-C: Tune's graceful one during the trials, a KeyboardInterrupt elsewhere."""
+    import signal
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"stopped by signal {int(signal.SIGTERM)}" in done.stdout
+    assert "time limit: " in done.stderr and "stopping the sweep as SIGTERM does" in done.stderr
