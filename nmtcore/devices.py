@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from nmtcore.host import cpu_info
+
 log = logging.getLogger(__name__)
 
 
@@ -53,11 +55,7 @@ def default_device() -> torch.device:
 @functools.lru_cache(maxsize=None)
 def cpu_supports_bf16() -> bool:
     """True when this CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = cpu_info()[1]
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -263,6 +263,9 @@ def test_provenance_tags(tmp_path: Path) -> None:
     for pkg in ("python", "torch", "nmtcore", "sacrebleu", "mlflow"):
         assert tags[f"nmtcore.{pkg}_version"]
     assert tags["nmtcore.hostname"] == socket.gethostname()
+    assert tags["nmtcore.cpu"].endswith((f", {os.cpu_count()} CPUs, AMX-BF16", f", {os.cpu_count()} CPUs, AVX512-BF16",
+                                         f", {os.cpu_count()} CPUs, AVX512", f", {os.cpu_count()} CPUs, AVX2",
+                                         f", {os.cpu_count()} CPUs, no AVX2"))
     (repo / "a.txt").write_text("changed")
     assert provenance_tags(repo_dir=repo)["nmtcore.git_dirty"] == "true"
     outside = provenance_tags(repo_dir=tmp_path)  # not a repository: no git tags, no error
@@ -346,3 +349,27 @@ def test_a_half_made_store_is_named_in_one_line(tmp_path: Path) -> None:
     assert "half-made" in message and "_alembic_tmp_trace_tags" in message and "holds no runs" in message
     with pytest.raises(TrackingError, match="half-made"):
         load_runs(tracking_uri=f"sqlite:///{db}")  # reading does not start MLflow's migrations on it either
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse avx2
+"""
+
+
+def test_the_cpu_is_named_with_its_widest_kernels() -> None:
+    """The first processor's model and flags; the widest kernels named as every figure names them."""
+    from nmtcore.host import isa_class, parse_cpuinfo
+
+    model, flags = parse_cpuinfo(CPUINFO)
+    assert model == "Intel(R) Xeon(R) Processor" and {"avx512_bf16", "amx_bf16"} <= flags and "fpu" in flags
+    assert isa_class(flags) == "AMX-BF16"
+    assert isa_class(flags - {"amx_bf16"}) == "AVX512-BF16"
+    assert isa_class(frozenset({"avx2", "avx512f"})) == "AVX512"
+    assert isa_class(frozenset({"avx2"})) == "AVX2" and isa_class(frozenset()) == "no AVX2"
+    assert parse_cpuinfo("") == ("", frozenset())

@@ -281,12 +281,14 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
 
 
 def machine_line() -> str:
-    """The machine in a few words: cores and whether bf16 kernels exist (the precision that trains)."""
+    """The machine in a few words: its CPU, cores and whether bf16 kernels exist (the precision that trains)."""
     import os
 
-    from nmtcore.devices import cpu_supports_bf16
+    from nmtcore.host import cpu_info, isa_class
 
-    return f"{os.cpu_count()} cores, {'AVX512-BF16' if cpu_supports_bf16() else 'no bf16 kernels (fp32)'}"
+    model, flags = cpu_info()
+    isa = isa_class(flags)
+    return f"{model}, {os.cpu_count()} cores, {isa}" + ("" if isa.endswith("-BF16") else " (no bf16 kernels: fp32)")
 
 
 def distinct(configs: Iterable[tuple[str, ExperimentConfig]]) -> dict[str, tuple[str, ExperimentConfig]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import nmtcore
+from nmtcore.host import cpu_description
 from nmtcore.tracking import schema
 from nmtcore.tracking.errors import truncate
 
@@ -25,7 +26,8 @@ def provenance_tags(extra: Mapping[str, Any] | None = None,
     is a git repository with a commit; also as MLflow's ``mlflow.source.git.commit`` so the UI shows
     it), ``nmtcore.git_dirty`` (``"true"`` if tracked or untracked files differ from HEAD), versions
     of python/torch/nmtcore/sacrebleu/mlflow (read from package metadata: torch is not imported),
-    ``nmtcore.hostname`` and ``mlflow.user``. ``extra`` (e.g. data and vocabulary checksums) is
+    ``nmtcore.hostname``, ``nmtcore.cpu`` (the CPU model, its logical CPUs and widest kernels: which machine a
+    figure is from) and ``mlflow.user``. ``extra`` (e.g. data and vocabulary checksums) is
     added last and wins on key clashes; values are stringified.
     """
     tags: dict[str, str] = {
@@ -35,6 +37,7 @@ def provenance_tags(extra: Mapping[str, Any] | None = None,
         schema.SACREBLEU_VERSION: _dist_version("sacrebleu"),
         schema.MLFLOW_VERSION: _dist_version("mlflow"),
         schema.HOSTNAME: socket.gethostname(),
+        schema.CPU: cpu_description(),
     }
     with contextlib.suppress(Exception):
         tags["mlflow.user"] = getpass.getuser()

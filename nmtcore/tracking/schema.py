@@ -49,6 +49,7 @@ NMTCORE_VERSION = "nmtcore.nmtcore_version"
 SACREBLEU_VERSION = "nmtcore.sacrebleu_version"
 MLFLOW_VERSION = "nmtcore.mlflow_version"
 HOSTNAME = "nmtcore.hostname"
+CPU = "nmtcore.cpu"  # the CPU model, its logical CPUs and its widest kernels (nmtcore.host.cpu_description)
 GIT_SHA = "nmtcore.git_sha"
 GIT_DIRTY = "nmtcore.git_dirty"
 
