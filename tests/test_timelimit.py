@@ -93,6 +93,22 @@ def test_the_callback_stops_the_sweep_once_after_the_last_checkpoint_that_fits()
     assert stops2 == [1]
 
 
+def test_a_resumed_trial_counts_from_its_restart_with_its_last_sessions_epoch_time():
+    """A trial resumed from a checkpoint has Tune's last result of the earlier session: its next checkpoint is
+    foreseen from the restart; a new trial's is not (it holds the sweep until it writes one)."""
+    clock, stops = Clock(), []
+    limit = limit_at(2000.0, clock, stops)
+    callback = _TimeLimitCallback(limit)
+    resumed = SimpleNamespace(trial_id="r", status="RUNNING", last_result={"epoch": 4, "time_this_iter_s": 1200.0})
+    new = SimpleNamespace(trial_id="n", status="RUNNING", last_result={})
+    callback.on_trial_start(1, [resumed, new], resumed)
+    callback.on_trial_start(1, [resumed, new], new)
+    assert limit.checkpoints == {"r": (1000.0, 1200.0)}  # next at 2200: after 1940
+    assert not limit.nothing_more_fits(["r", "n"])
+    callback.on_trial_result(2, [resumed, new], new, {"time_this_iter_s": 1000.0})  # n: next at 2000
+    assert stops == [1]
+
+
 def test_the_callback_pickles_without_its_limit():
     """Tune pickles a new Tuner's callbacks (tuner.pkl); the limit's timer thread cannot be, and a restored Tuner
     gets live callbacks anyway."""

@@ -65,7 +65,8 @@ class TimeLimit:
         return self.stop_at - self.margin_s
 
     def checkpointed(self, trial: str, epoch_s: float) -> None:
-        """``trial`` wrote a checkpoint now, after an epoch of ``epoch_s`` seconds."""
+        """``trial`` wrote a checkpoint now, after an epoch of ``epoch_s`` seconds (or resumed from one now, its
+        last epoch having taken ``epoch_s`` in an earlier session)."""
         self.checkpoints[trial] = (self.clock(), epoch_s)
 
     def forget(self, trial: str) -> None:

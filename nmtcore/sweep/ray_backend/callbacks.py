@@ -194,6 +194,13 @@ class _TimeLimitCallback(tune.Callback):
     def __getstate__(self) -> dict[str, Any]:
         return {"limit": None}
 
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        # A resumed trial continues from its checkpoint now, and its last epoch's time is known from the session
+        # that reported it: its next checkpoint can be foreseen before it writes one here. A new trial's cannot.
+        epoch_s = (trial.last_result or {}).get("time_this_iter_s")
+        if self.limit is not None and epoch_s:
+            self.limit.checkpointed(trial.trial_id, float(epoch_s))
+
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
                         **info: Any) -> None:
         if self.limit is None:
