@@ -187,8 +187,8 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
     rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True}
     baseline = tiny_experiment(tmp_path, **rule, **{"data.corpus": "multi30k", "train.max_epochs": 60})
     epochs, why = expected_epochs(baseline, "baseline", uri)
-    assert epochs == MEASURED_EPOCHS[("multi30k", "baseline", "transformer")] == 16
-    assert "platform's converged transformer baseline runs on multi30k" in why and "at most the cap, 60" in why
+    assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")] == 16
+    assert "platform's converged transformer runs on multi30k" in why and "at most the cap, 60" in why
     arm = baseline.with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm", "train.max_epochs": 40})
     assert expected_epochs(arm, "trial", uri)[0] == 12.0
     assert "upper bound" in expected_epochs(arm.with_overrides({"train.patience": 5}), "trial", uri)[1]
@@ -232,3 +232,31 @@ def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch)
     assert sorted(probed) == ["bert_fused L1", "bert_fused L2", "transformer", "transformer"], probed  # + baseline
     trials = next(p for p in est.phases if p.name == "trials")
     assert "3 trials" in trials.detail, trials.detail
+
+
+def test_a_trial_from_scratch_converges_like_a_baseline_not_like_a_second_stage(tmp_path):
+    """A study without a shared baseline (PLM-sponsored's loss ablation) trains its control from scratch: 19
+    epochs on Multi30k (2026-12-04), where the estimate said 6, the figure of trials warm-started from the
+    baseline. The start decides which measured figure, and which stored runs, a trial's estimate takes."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True,
+            "data.corpus": "multi30k", "train.max_epochs": 60}
+    control = tiny_experiment(tmp_path, **rule)
+    assert expected_epochs(control, "trial", uri)[0] == 6.0  # a trial is warm-started unless told otherwise
+    epochs, why = expected_epochs(control, "trial", uri, warm=False)
+    assert epochs == 16.0 and "from-scratch transformer" in why, why
+    assert expected_epochs(control, "trial", uri, warm=True)[0] == 6.0
+    assert expected_epochs(control, "baseline", uri)[0] == 16.0
+
+    def record(cfg, epochs):
+        with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
+            t.log_config(cfg)
+            for e in range(1, epochs + 1):
+                t.log_metrics({"epoch": e}, step=e)
+
+    record(control, 19)  # from scratch
+    record(control.with_overrides({"train.init_from": str(tmp_path / "baseline.pt")}), 5)  # a second stage
+    assert expected_epochs(control, "trial", uri, warm=False) == (
+        19.0, "the median of 1 converged from-scratch trial run of this kind in the store")
+    assert expected_epochs(control, "trial", uri, warm=True) == (
+        5.0, "the median of 1 converged warm-started trial run of this kind in the store")

@@ -10,10 +10,10 @@ The estimate multiplies measured speeds by counted work:
 
 Epochs: a fixed budget trains its epochs. A budget that trains to convergence (``train.patience``) stops
 somewhere between ``patience + 1`` epochs and its cap, so the estimate takes the median number of epochs of the
-converged runs of the same kind already in this MLflow store (same model, role, stopping rule and cap) and
-says how many it found. With none (a fresh machine) it takes what the platform's own converged runs of that
-kind took (:data:`MEASURED_EPOCHS`: the corpus, role and model, under the studies' default rule), and with no
-such figure the cap, saying that it is an upper bound.
+converged runs of the same kind already in this MLflow store (same model, role, start, stopping rule and cap)
+and says how many it found. With none (a fresh machine) it takes what the platform's own converged runs of that
+kind took (:data:`MEASURED_EPOCHS`: the corpus, the start (from scratch, or warm from the shared baseline) and
+the model, under the studies' default rule), and with no such figure the cap, saying that it is an upper bound.
 
 Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
 them; the trials' phase is that schedule's makespan. Speeds are measured with nothing else running: trials
@@ -43,14 +43,16 @@ PROBE_DECODE = 48  # validation sentences decoded greedily
 PROBE_OTHER_SENTENCES = 48  # every split but train is cut to this for the probe's BERT features
 FEATURE_PROBE_SENTENCES = 1024  # training sentences whose BERT features time a feature build
 # Epochs at which the patience rule stopped the platform's committed converged runs (median per kind; the runs
-# and their dates: docs/convergence.md, "Epochs to convergence"): (corpus, role, model) -> epochs. Used only
+# and their dates: docs/convergence.md, "Epochs to convergence"): (corpus, start, model) -> epochs. Used only
 # when the store has no converged run of the kind, and only under the rule they were measured with.
 MEASURED_EPOCHS = {
-    ("multi30k", "baseline", "transformer"): 16,
-    ("maruf2019_devtest", "baseline", "transformer"): 16,
-    ("multi30k", "trial", "transformer"): 6,
-    ("multi30k", "trial", "bert_fused"): 12,
-    ("multi30k", "trial", "mask_fusion"): 7,
+    # from scratch: the shared baselines, and a study's trials that start from no baseline
+    ("multi30k", "scratch", "transformer"): 16,
+    ("maruf2019_devtest", "scratch", "transformer"): 16,
+    # second stages, warm-started from the shared baseline
+    ("multi30k", "warm", "transformer"): 6,
+    ("multi30k", "warm", "bert_fused"): 12,
+    ("multi30k", "warm", "mask_fusion"): 7,
 }
 MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs (no loss guard): metric, patience, gain
 
@@ -181,30 +183,39 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
 
 
 # ---------------------------------------------------------------------------------------------- epochs
-def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) -> tuple[float, str]:
+def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
+                    warm: bool | None = None) -> tuple[float, str]:
     """How many epochs a run of ``cfg`` (role ``baseline`` or ``trial``) trains, and where the figure comes from:
     the budget's fixed epochs; for a budget that trains to convergence, the median over the converged runs of
-    the same model, role, data, stopping rule and cap in the store at ``tracking_uri``, else the cap."""
+    the same model, role, start (``warm``: from other weights, the shared baseline's; default: either in the
+    store, and a trial's measured figure that of warm-started ones), data, stopping rule and cap in the store at
+    ``tracking_uri``, else the cap. A trial from scratch converges like a baseline (16 epochs on Multi30k), not
+    like a second stage (6): the start decides."""
     t = cfg.train
     if not t.patience:
         return float(t.max_epochs), "the budget's fixed epochs"
-    epochs = converged_epochs(cfg, role, tracking_uri)
+    epochs = converged_epochs(cfg, role, tracking_uri, warm)
+    start = {None: "", True: "warm-started ", False: "from-scratch "}[warm] if role == "trial" else ""
+    warm = (role == "trial") if warm is None else warm
     if epochs:
-        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {role} run"
+        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {start}{role} run"
                                                   f"{'s' * (len(epochs) > 1)} of this kind in the store")
-    measured = MEASURED_EPOCHS.get((cfg.data.corpus, role, cfg.model.name))
+    measured = MEASURED_EPOCHS.get((cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name))
     if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
             and measured <= t.max_epochs:
         guard = ("; measured without train.loss_guard, which can only lengthen a run: a lower bound"
                  if t.loss_guard else "")
-        return float(measured), (f"what the platform's converged {cfg.model.name} {role} runs on {cfg.data.corpus} "
+        start = ("warm-started " if warm else "from-scratch ") if role == "trial" else ""
+        return float(measured), (f"what the platform's converged {start}{cfg.model.name} runs on {cfg.data.corpus} "
                                  f"took (no such run in this store yet; at most the cap, {t.max_epochs}{guard})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
-def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None) -> list[int]:
+def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
+                     warm: bool | None = None) -> list[int]:
     """Epochs of the finished runs in the store that the patience rule stopped and that trained as ``cfg`` would
-    (same model, role, train/valid splits, stopping rule and epoch cap)."""
+    (same model, role, train/valid splits, stopping rule and epoch cap; with ``warm`` given, only the runs that
+    started from other weights (``train.init_from``), or only those that did not)."""
     from nmtcore import tracking
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
@@ -220,7 +231,8 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None)
         return []
     return [int(r.metrics["epoch"]) for r in runs
             # a setting a run did not log did not exist yet: it ran as the setting's default
-            if "epoch" in r.metrics and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)]
+            if "epoch" in r.metrics and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)
+            and (warm is None or bool(r.params.get("train.init_from")) == warm)]
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -369,6 +381,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
 
     settings = resolve_settings(settings)
     validate_space(space, base, settings.seeds)
+    warm = space.protocol is not None and space.protocol.warm_start  # the trials start from the shared baseline
     data = prepare_data(base.data)
     cpus = settings.num_cpus or os.cpu_count() or 1
     threads = max(1, int(settings.cpus_per_trial // settings.workers_per_trial))
@@ -418,7 +431,6 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         rate = feature_rate(layer, stream, int(cpus))
         shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
 
-    warm = space.protocol is not None and space.protocol.warm_start
     bcfg = (baseline or baseline_config(space, base)) if warm else None
     if bcfg is not None:
         root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
@@ -442,7 +454,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
             ready = ensure_bert(cfg)
             progress(f"dry run: probing {label} at {threads} thread(s)")
             speeds[key] = probe(ready, data, threads)
-        epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri)
+        epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=warm or bool(cfg.train.init_from))
         costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
 
     base_cost, done, done_epochs = None, False, 0
