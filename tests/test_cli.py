@@ -196,9 +196,12 @@ def test_sigterm_stops_a_sweep_with_one_line_and_143_then_resume_finishes_it(tmp
     assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
     time.sleep(5)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children
-    again = [*cmd, "--resume"]  # before its trials a sweep has no state yet: --resume starts it again
+    again = [*cmd, "--resume", "--estimate"]  # before its trials a sweep has no state yet: --resume starts it again
     done = subprocess.run(again, cwd=root, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    # Resumed in its trials, its estimate is of what is left of them; started again, of all of it.
+    assert ("left of this sweep, estimated cost" in done.stdout) == ("epoch" in phase), done.stdout[-3000:]
+    assert "estimated cost on this machine" in done.stdout, done.stdout[-3000:]
     assert "sweep stopped finished" in done.stdout and "TERMINATED" in done.stdout, done.stdout[-3000:]
     assert ("stopped before its trials began" in done.stdout) == ("epoch" not in phase), done.stdout[-3000:]
     # Stopped in its trials, the sweep kept that session's time split: the resumed one reports both sessions.

@@ -260,3 +260,47 @@ def test_a_trial_from_scratch_converges_like_a_baseline_not_like_a_second_stage(
         19.0, "the median of 1 converged from-scratch trial run of this kind in the store")
     assert expected_epochs(control, "trial", uri, warm=True) == (
         5.0, "the median of 1 converged warm-started trial run of this kind in the store")
+
+
+def test_a_resumed_sweep_is_estimated_by_what_is_left_of_it(tmp_path, monkeypatch):
+    """A sweep spread over sessions: resumed, it estimates its unfinished trials only, each less the epochs it
+    has trained, read from its trials' MLflow runs (a finished trial's run is FINISHED; a stopped one's KILLED,
+    with the epochs it reported)."""
+    import nmtcore.sweep.cost as cost
+    from nmtcore.sweep.settings import SweepSettings
+    from nmtcore.sweep.space import SearchSpace, grid
+    from nmtcore.tracking import schema
+
+    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    monkeypatch.setattr(cost, "probe", lambda cfg, data, threads: speed)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    base = tiny_experiment(tmp_path, **{"train.max_epochs": 4})
+    space = SearchSpace("t", "t", "transformer", params={"train.lr": grid((1e-3, 2e-3, 3e-3))},
+                        metric="valid_loss", mode="min")
+    settings = SweepSettings(name="t", storage=str(tmp_path / "sweeps"), tracking_uri=uri)
+    fresh = cost.dry_run(space, base, settings, progress=lambda _: None, shared_s=0.0)
+    (k1, whole), (k2, _), (k3, _) = fresh.runs
+
+    with tracking.Tracker(uri, experiment="e") as parent:
+        pass
+    for key, epochs, status in ((k1, 4, "FINISHED"), (k2, 3, "KILLED")):
+        with tracking.Tracker(uri, experiment="e", tags={tracking.PARENT_RUN_TAG: parent.run_id,
+                                                          schema.CONFIG_KEY: key}) as t:
+            for e in range(1, epochs + 1):
+                t.log_metrics({"epoch": e}, step=e)
+            if status != "FINISHED":
+                t.end(status)
+    done = cost.sweep_progress(parent.run_id, uri)
+    assert done == {k1: cost.TrialProgress(4, True), k2: cost.TrialProgress(3, False)}
+
+    left = cost.dry_run(space, base, settings, progress=lambda _: None, shared_s=0.0, done=done)
+    assert [k for k, _ in left.runs] == [k2, k3]  # the finished trial is not estimated again
+    seconds = dict(left.runs)
+    assert seconds[k3] == pytest.approx(whole)  # not started: all of it (the fixed budget: 4 epochs a trial)
+    assert seconds[k2] < whole / 2  # one epoch of the four left, and its test decoding
+    trials = next(p for p in left.phases if p.name == "trials")
+    assert "2 trials (and 1 finished in earlier sessions)" in trials.detail, trials.detail
+    assert "less the 3 it has trained" in trials.detail, trials.detail
+    assert left.seconds < fresh.seconds
+    # a new sweep's store, or another sweep's, knows no trial of this one
+    assert cost.sweep_progress("0" * 32, uri) == {}

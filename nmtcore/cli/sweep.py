@@ -150,8 +150,8 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     values["storage"] = args.storage or smoke.get("storage") or default_storage()
     values["tracking_uri"] = args.tracking_uri or smoke.get("tracking_uri")
     values["baseline_store"] = args.baseline_store or smoke.get("baseline_store")
-    if values.get("estimate") is None:  # real runs say what they will cost; smoke tests and resumed sweeps don't
-        values["estimate"] = not (args.smoke_test or args.resume)
+    if values.get("estimate") is None:  # real runs say what they (or a resumed one's rest) will cost; smoke tests don't
+        values["estimate"] = not args.smoke_test
     settings = SweepSettings(**values)
     if args.adopt_baseline:
         from nmtcore.sweep.baseline import AdoptError, adopt_baseline

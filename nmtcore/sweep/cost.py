@@ -155,10 +155,11 @@ def makespan(durations: Sequence[float], slots: int) -> tuple[float, int]:
 
 def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, baseline_done: bool,
              trials: Sequence[RunCost], slots: int, machine: str, baseline_epochs_done: int = 0,
-             keys: Sequence[str] = (), copied: int = 0) -> Estimate:
+             keys: Sequence[str] = (), copied: int = 0, finished: int = 0) -> Estimate:
     """The phases: the shared work (``(what, seconds)`` each, run one after another), the baseline (reused
     when ``baseline_done``; ``baseline_epochs_done`` of a started one are not trained again), the trials in
-    waves on ``slots`` (``copied``: more trials, trained before, that the sweep copies: no time)."""
+    waves on ``slots`` (``copied``: more trials, trained before, that the sweep copies: no time; ``finished``:
+    more trials that this sweep finished before it was stopped, a resumed sweep's: no time)."""
     phases = [Phase("shared work", sum(s for _, s in shared),
                     "; ".join(f"{what} {duration(s)}" for what, s in shared) or "all cached")]
     if baseline is not None:
@@ -175,7 +176,8 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
         kinds[(t.epochs, t.epochs_from)] = kinds.get((t.epochs, t.epochs_from), 0) + 1
     epochs = "; ".join(f"{n} trial{'s' * (n > 1)} x {e:g} epochs ({why})" for (e, why), n in kinds.items())
     per = [t.epoch_s for t in trials]
-    again = f" (and {copied} trained before: copied, not trained again)" if copied else ""
+    again = "".join(f" (and {n} {what})" for n, what in ((finished, "finished in earlier sessions"),
+                                                         (copied, "trained before: copied, not trained again")) if n)
     phases.append(Phase("trials", total, f"{len(trials)} trial{'s' * (len(trials) != 1)}{again}, {slots} at once "
                                          f"({waves} wave{'s' * (waves != 1)}); an epoch "
                                          f"{duration(min(per, default=0))}-{duration(max(per, default=0))}; {epochs}"))
@@ -363,12 +365,14 @@ def feature_rate(layer: Any, inputs: Any, threads: int, sentences: int = FEATURE
 
 
 def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: ExperimentConfig | None = None,
-            progress: Any = print, shared_s: float | None = None) -> Estimate:
+            progress: Any = print, shared_s: float | None = None,
+            done: Mapping[str, TrialProgress] | None = None) -> Estimate:
     """What a fresh run of ``space`` (``run_sweep``'s arguments) would cost here: the BERTs are made if missing
     (the real run reuses them), every distinct trial model and the baseline are probed (:func:`probe`), and
     nothing else is trained or written outside temporary directories. Sampled spaces are estimated at
     ``num_samples`` trials of their first example point. ``shared_s``: the shared work is done and took that
-    long (a sweep printing its estimate once it has made its BERTs and their features)."""
+    long (a sweep printing its estimate once it has made its BERTs and their features). ``done``: a resumed
+    sweep's trials by config key (:func:`sweep_progress`): what is left of them is estimated, not their whole."""
     import os
 
     from nmtcore.bert import ensure_bert
@@ -431,7 +435,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         rate = feature_rate(layer, stream, int(cpus))
         shared.append((f"BERT features {what} ({missing} sentences at {rate:.0f}/s)", missing / rate))
 
-    bcfg = (baseline or baseline_config(space, base)) if warm else None
+    # A resumed sweep's base config carries its baseline (train.init_from): nothing left to train there.
+    bcfg = (baseline or baseline_config(space, base)) if warm and done is None else None
     if bcfg is not None:
         root = Path(settings.baseline_store) if settings.baseline_store else default_root(bcfg)
         bkey = baseline_key(bcfg, data.checksums)
@@ -440,28 +445,35 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     start = base.train.init_from if bcfg is None else (str(stored.path) if stored is not None else None)
     copied = set() if start is None or not settings.reuse_trials else {
         i for i, (_, cfg) in enumerate(runs[:len(keys)])  # the grid's cells (a sampled space's points are unknown)
-        if _trained_before(cfg.with_overrides({"train.init_from": start}), data.checksums, settings)}
+        if not (done and keys[i] in done)  # this sweep's own: trained here, not copied
+        and _trained_before(cfg.with_overrides({"train.init_from": start}), data.checksums, settings)}
     if copied:
         progress(f"dry run: {len(copied)} trial(s) trained before in this store: copied, not trained again")
-    runs = [r for i, r in enumerate(runs) if i not in copied]
-    keys = [k for i, k in enumerate(keys) if i not in copied]
+    done = done or {}
+    finished = {i for i, k in enumerate(keys) if i not in copied and k in done and done[k].finished}
+    runs = [r for i, r in enumerate(runs) if i not in copied | finished]
+    keys = [k for i, k in enumerate(keys) if i not in copied | finished]
     tokens, valid_n = epoch_tokens(data), len(data.valid)
     test_n = sum(len(data.splits[name]) for name in base.data.test_splits)
     costs: list[RunCost] = []
-    for label, cfg in runs:
+    for (label, cfg), ckey in zip(runs, [*keys, *[None] * (len(runs) - len(keys))]):
         key = shape_key(cfg)
         if key not in speeds:
             ready = ensure_bert(cfg)
             progress(f"dry run: probing {label} at {threads} thread(s)")
             speeds[key] = probe(ready, data, threads)
         epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=warm or bool(cfg.train.init_from))
+        trained = done[ckey].epochs if ckey in done else 0
+        if trained:
+            # at least one more epoch: a run the patience rule has not stopped yet trains another to find out
+            epochs, why = max(epochs - trained, 1.0), f"{why}; less the {trained} it has trained"
         costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
 
-    base_cost, done, done_epochs = None, False, 0
+    base_cost, base_done, done_epochs = None, False, 0
     if bcfg is not None:
-        done = stored is not None
+        base_done = stored is not None
         done_epochs = checkpointed_epochs(root / bkey / "run")
-        if not done:
+        if not base_done:
             progress(f"dry run: probing the baseline at {int(cpus)} thread(s)")
             speed = probe(ensure_bert(bcfg), data, int(cpus))
             epochs, why = expected_epochs(bcfg, "baseline", settings.tracking_uri)
@@ -470,7 +482,35 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
             base_cost = RunCost("baseline", 0, 0.0, 0.0, "in the store")
     if shared_s is not None:
         shared = [("done in", shared_s)]
-    return estimate(shared, base_cost, done, costs, slots, machine_line(), done_epochs, keys, copied=len(copied))
+    return estimate(shared, base_cost, base_done, costs, slots, machine_line(), done_epochs, keys,
+                    copied=len(copied), finished=len(finished))
+
+
+@dataclass(frozen=True)
+class TrialProgress:
+    """How far a trial of a stopped sweep got: epochs trained (its last reported epoch, each one checkpointed)
+    and whether it finished."""
+
+    epochs: int
+    finished: bool
+
+
+def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, TrialProgress]:
+    """The trials of the sweep whose MLflow parent run is ``parent_run_id``, by config key: what a resumed
+    sweep has done before (its trials' child runs; a killed trial's run is re-attached when it resumes)."""
+    from nmtcore import tracking
+    from nmtcore.tracking import schema
+
+    out: dict[str, TrialProgress] = {}
+    for r in tracking.search_runs(f"tags.`{tracking.PARENT_RUN_TAG}` = '{parent_run_id}'", tracking_uri):
+        key = r.tags.get(schema.CONFIG_KEY)
+        if not key:
+            continue
+        mine = TrialProgress(int(r.metrics.get("epoch", 0)), r.status == "FINISHED")
+        seen = out.get(key)
+        out[key] = mine if seen is None else TrialProgress(max(seen.epochs, mine.epochs),
+                                                           seen.finished or mine.finished)
+    return out
 
 
 def _trained_before(cfg: ExperimentConfig, checksums: Mapping[str, str], settings: Any) -> bool:

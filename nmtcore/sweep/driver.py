@@ -133,7 +133,7 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
             ray_backend.check_cluster(settings, base)
         print_where(settings, None, dashboard_url, exp_dir)
         data, footprints, estimated, made = before_trials(space, base, settings, baseline, state is None,
-                                                          worker_env, t0, clock)
+                                                          worker_env, t0, clock, _done_before(state, settings))
         if made is not None:
             base = base.with_overrides({"train.init_from": str(made.path)})
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
@@ -177,10 +177,11 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
 
 def before_trials(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
                   baseline: ExperimentConfig | None, new: bool, env: Mapping[str, str], t0: float,
-                  clock: timing.PhaseClock | None = None,
+                  clock: timing.PhaseClock | None = None, done: Mapping[str, cost.TrialProgress] | None = None,
                   ) -> tuple[dict[str, str], dict[str, BertFootprint], cost.Estimate | None, Any]:
     """The work before a sweep's trials, as pre-sweep tasks: the data, what the trials share
-    (:func:`prepare_shared`), the cost estimate (a ``new`` sweep's, with ``settings.estimate``) and, for a
+    (:func:`prepare_shared`), the cost estimate (with ``settings.estimate``: a ``new`` sweep's, or what is left
+    of a resumed one, whose trials have ``done`` what :func:`~nmtcore.sweep.cost.sweep_progress` says) and, for a
     protocol that warm-starts, the shared baseline (a ``new`` sweep's: a resumed one has its trials' own
     checkpoints). A baseline still to train trains as soon as the BERTs are made and the estimate is printed:
     it reads no BERT, so the BERTs' quality figures and feature caches wait for it instead of it for them.
@@ -204,7 +205,8 @@ def before_trials(space: SearchSpace, base: ExperimentConfig, settings: SweepSet
     with phase("BERTs, quality and features"):
         data, footprints = prepare_shared(base, space)
     with phase("cost estimate"):
-        estimated = _estimate(space, base, settings, baseline, t0) if settings.estimate and new else None
+        estimated = (_estimate(space, base, settings, baseline, t0, done)
+                     if settings.estimate and (new or done is not None) else None)
     if bcfg is None:
         return data, footprints, estimated, None
     with phase("baseline"):
@@ -218,18 +220,34 @@ def _baseline(cfg: ExperimentConfig, settings: SweepSettings, env: Mapping[str, 
 
 
 def _estimate(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,
-              baseline: ExperimentConfig | None, t0: float | None) -> cost.Estimate | None:
+              baseline: ExperimentConfig | None, t0: float | None,
+              done: Mapping[str, cost.TrialProgress] | None = None) -> cost.Estimate | None:
     """What the baseline and the trials will cost here (:func:`nmtcore.sweep.cost.dry_run`), printed; None if it
     could not be measured (an estimate is advice: the sweep goes on). ``t0``: when the sweep started, its shared
-    work done since; None: the shared work is still to come (the features' builds are timed and counted)."""
+    work done since; None: the shared work is still to come (the features' builds are timed and counted).
+    ``done``: a resumed sweep's trials so far: the estimate is of what is left."""
     try:
         estimated = cost.dry_run(space, base, settings, baseline=baseline, progress=lambda line: None,
-                                 shared_s=None if t0 is None else time.perf_counter() - t0)
+                                 shared_s=None if t0 is None else time.perf_counter() - t0, done=done)
     except Exception as e:  # noqa: BLE001 - the sweep itself is not at stake
         logging.getLogger("nmtcore.sweep").warning("no cost estimate: %s: %s", type(e).__name__, e)
         return None
-    print("\n".join(estimated.lines()), flush=True)
+    lines = estimated.lines()
+    if done is not None:
+        lines[0] = f"left of this sweep, {lines[0]}"
+    print("\n".join(lines), flush=True)
     return estimated
+
+
+def _done_before(state: ResumeState | None, settings: SweepSettings) -> dict[str, cost.TrialProgress] | None:
+    """A resumed sweep's trials so far (None: a new sweep, or its store cannot say: no estimate then)."""
+    if state is None:
+        return None
+    try:
+        return cost.sweep_progress(state.parent_run_id, state.tracking_uri)
+    except tracking.TrackingError as e:
+        logging.getLogger("nmtcore.sweep").warning("no estimate of what is left: %s", e)
+        return None
 
 
 def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings, state: ResumeState | None,
@@ -246,7 +264,10 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
         test_splits=tuple(base.data.test_splits), experiment_path=exp_dir,
         protocol=describe_protocol(space, made, base), **baseline).to_tags()
     if state is not None:
-        return tracking.Tracker(settings.tracking_uri, run_id=state.parent_run_id, tags=tags)
+        parent = tracking.Tracker(settings.tracking_uri, run_id=state.parent_run_id, tags=tags)
+        if estimated is not None:  # what was left when it resumed (the first estimate.json stays)
+            parent.log_dict(estimated.to_dict(), "estimate-left.json")
+        return parent
     parent = tracking.Tracker(settings.tracking_uri, experiment=settings.experiment, run_name=settings.name,
                               tags=tracking.provenance_tags({**tags, **{schema.checksum(k): v for k, v in data.items()}}))
     parent.log_config(base)

@@ -67,7 +67,8 @@ class SweepSettings:
         reuse_trials: copy a finished trial of any sweep in the store whose reuse key is this trial's instead of
             training it again (:mod:`nmtcore.sweep.reuse`).
         estimate: print (and log to the parent run as ``estimate.json``) what the baseline and the trials will
-            cost here once the shared work is done (:mod:`nmtcore.sweep.cost`); ``None`` counts as no.
+            cost here once the shared work is done (:mod:`nmtcore.sweep.cost`); resumed, what is left of them
+            (``estimate-left.json``); ``None`` counts as no.
         dashboard: start the Ray dashboard (local clusters only), on ``dashboard_host``.
         num_cpus: logical CPUs of a local cluster; ``None`` = all cores.
         allocator: the C allocator of the trials' training processes and of the shared baseline's
@@ -116,7 +117,7 @@ class SweepSettings:
                                       "instead of trained again (nmtcore.sweep.reuse)")
     estimate: bool | None = option(None, "before the baseline and the trials, measure this machine's speed on every "
                                          "distinct trial model (a few updates each) and print what they will cost "
-                                         "(default: real runs yes, smoke tests and resumed sweeps no)")
+                                         "(default: real runs yes, a resumed one what is left of it; smoke tests no)")
     dashboard: bool = option(True, "start the Ray dashboard (local clusters)")
     dashboard_host: str = "127.0.0.1"
     num_cpus: int | None = option(None, "logical CPUs of the local Ray cluster (default: all cores)")
