@@ -242,3 +242,78 @@ def test_resume_across_a_phase_boundary_is_bit_identical(tmp_path):
     assert resumed.phase_index == 1 and summary.epochs == 3 and summary.phase_starts == {"one": 1, "two": 2}
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+# ---------------------------------------------------------------------- phases until convergence
+def test_phases_until_convergence_need_the_rule_and_room_for_it():
+    phases = (PhaseConfig("a", 2), PhaseConfig("b", 1), PhaseConfig("c", 3))
+    with pytest.raises(ConfigError, match=r"^train.phases_converge: .*set train.patience > 0"):
+        TrainConfig(phases=phases, max_epochs=20, phases_converge=True)
+    with pytest.raises(ConfigError, match=r"^train.phase_scale: .*leave it at 1"):
+        TrainConfig(phases=phases, max_epochs=20, patience=2, phases_converge=True, phase_scale=0.5)
+    with pytest.raises(ConfigError) as e:  # each phase takes at least patience + 1 epochs
+        TrainConfig(phases=phases, max_epochs=8, patience=2, phases_converge=True)
+    assert str(e.value).startswith("train.max_epochs: 8 epochs cannot run the 3 phases of train.phases until "
+                                   "convergence (a open + b open + c open") and "max_epochs >= 9" in str(e.value)
+    tc = TrainConfig(phases=phases, max_epochs=9, patience=2, phases_converge=True)
+    # the phases' lengths no longer apply: every phase is open, the rule ends it
+    assert [p.epochs for p in tc.schedule(tc.phases, "train.phases")] == [0, 0, 0]
+    # a schedule too long for the budget at its fixed lengths is fine until convergence
+    TrainConfig(phases=(PhaseConfig("a", 40), PhaseConfig("b", 10)), max_epochs=12, patience=1, phases_converge=True)
+
+
+def test_each_phase_runs_until_the_rule_fires_in_it_then_the_next_begins(tmp_path):
+    """BERT-JAM's "until convergence in the first two phases" (Section 3): with train.phases_converge the
+    patience rule, counted from each phase's start, ends the warm-up and the GLU phase (the next one begins)
+    and ends the run in the fine-tuning phase; each phase trains exactly its groups."""
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [2, 1, 5],
+                                       "train.max_epochs": 20, "train.patience": 1, "train.num_threads": 1,
+                                       "train.phases_converge": True, "train.warmup_updates": 5})
+    trainer = make_trainer(cfg)
+    assert [p.epochs for p in trainer.phases] == [0, 0, 0]
+    trained: list[tuple[str, bool]] = []
+
+    class Watch(Callback):
+        def on_epoch_end(self, trainer, epoch, metrics, checkpoint):
+            trained.append((trainer.phases[trainer.phase_index].name, trainer.model.bert.frozen))
+
+    trainer.callbacks.append(Watch())
+    # warm-up: better, better, worse (the rule fires); GLU: better, worse; fine-tuning: better, better, worse
+    ScriptedValidation(trainer, [3.0, 2.5, 2.6, 2.4, 2.45, 2.3, 2.2, 2.25, 1.0])
+    summary = trainer.fit()
+    assert summary.stop_reason == "early_stopping(patience=1)" and summary.epochs == 8
+    assert summary.stopped_by == "patience"  # converged: every phase ended by the rule
+    assert summary.phase_starts == {"warmup": 1, "glu": 4, "finetune": 6}
+    assert [name for name, _ in trained] == ["warmup"] * 3 + ["glu"] * 2 + ["finetune"] * 3
+    assert [frozen for _, frozen in trained] == [True] * 5 + [False] * 3  # BERT fine-tuned in phase 3 only
+    assert summary.best_epoch == 7  # the last phase's best
+    # The cap stops a run still converging: stopped by the cap, not converged.
+    capped = make_trainer(cfg.with_overrides({"output_dir": str(tmp_path / "b"), "train.max_epochs": 6}))
+    ScriptedValidation(capped, [3.0, 2.5, 2.4, 2.3, 2.2, 2.1])
+    summary = capped.fit()
+    assert summary.epochs == 6 and summary.stopped_by == "cap" and summary.phase == "warmup"
+
+
+def test_resume_across_a_converged_phase_boundary_is_bit_identical(tmp_path):
+    """A run stopped right after the epoch whose rule ended phase one resumes into phase two, as the run that
+    was never stopped went on (min_delta so large that each phase's second epoch is its last)."""
+    cfg = tiny_experiment(tmp_path / "a", **{"train.phases": PHASES, "train.max_epochs": 6, "train.patience": 1,
+                                             "train.min_delta": 100.0, "train.phases_converge": True,
+                                             "train.warmup_updates": 1, "train.num_threads": 1,
+                                             "data.max_tokens": 2000})
+    full = make_trainer(cfg)
+    summary = full.fit()
+    assert summary.epochs == 4 and summary.phase_starts == {"one": 1, "two": 3}
+    cut_cfg = cfg.with_overrides({"output_dir": str(tmp_path / "b")})
+    cut = build_trainer(cut_cfg, callbacks=[InterruptAfter(2)], device=torch.device("cpu"))
+    with pytest.raises(KeyboardInterrupt):
+        cut.fit()
+    resumed = make_trainer(cut_cfg)
+    torch.manual_seed(999)  # the resume restores the RNG itself
+    assert resumed.resume() and resumed.phase_index == 0 and resumed.state.epoch == 2
+    summary = resumed.fit()
+    assert summary.epochs == 4 and summary.phase_starts == {"one": 1, "two": 3}
+    assert summary.stop_reason == "early_stopping(patience=1)"
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k

@@ -161,15 +161,16 @@ def _study_base(space, smoke: bool, tmp_path):
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_the_bert_jam_study_runs_every_phase_and_averages_within_its_budget(tmp_path, smoke):
-    """Every M0-M3 arm's schedule fits the study's budget (real and smoke-test runs): all its phases run,
-    scaled by train.phase_scale, none cut; checkpoint averaging is on (>= 2 epochs, within the last phase)
-    and phase 3 stops early on a plateau. Without the scale the same arms are refused."""
+    """Every M0-M3 arm's schedule fits the study's scaled budget (``--budget scaled``, and the smoke test):
+    all its phases run, scaled by train.phase_scale, none cut; checkpoint averaging is on (>= 2 epochs, within
+    the last phase) and phase 3 stops early on a plateau. Without the scale the same arms are refused."""
     from nmtcore.engine.phases import schedule_of
     from nmtcore.models import build_model
     from nmtcore.sweep import plan
     from nmtcore.testing.zoo import BOS, EOS, PAD, TINY_BERT, VOCAB
 
     space = search_spaces.get_space("ablations:bert_jam")
+    space = space if smoke else space.with_budget("scaled")
     base = _study_base(space, smoke, tmp_path)
     tc = base.train
     assert tc.average_last >= 2 and tc.keep_last >= tc.average_last and tc.patience >= 1
@@ -191,6 +192,34 @@ def test_the_bert_jam_study_runs_every_phase_and_averages_within_its_budget(tmp_
         unscaled = cfg.with_overrides({"train.phase_scale": 1.0})
         with pytest.raises(ConfigError, match=rf"^train.max_epochs: {tc.max_epochs} epochs cannot run"):
             schedule_of(unscaled, model)
+    plan.validate_space(space, base)
+
+
+def test_the_bert_jam_study_trains_every_phase_to_convergence_by_default(tmp_path):
+    """The paper trains phases 1-2 "until convergence" and stops phase 3 on the validation curve: the study's
+    default budget runs every phase of every arm until the baseline's patience rule fires in it (no phase
+    length, no scale), averages the last 2 x patience epochs of phase 3, and trains its control from scratch
+    under the same rule; the cap leaves every phase room to converge."""
+    from nmtcore.engine.phases import schedule_of
+    from nmtcore.models import build_model
+    from nmtcore.sweep import plan
+    from nmtcore.testing.zoo import BOS, EOS, PAD, TINY_BERT, VOCAB
+    from search_spaces.protocols import CONVERGE
+
+    space = search_spaces.get_space("ablations:bert_jam")
+    assert space.budget_name == "converged"
+    base = _study_base(space, False, tmp_path)
+    tc = base.train
+    assert {k: getattr(tc, k.split(".")[1]) for k in CONVERGE} == {k: v for k, v in CONVERGE.items()}
+    assert tc.phases_converge and tc.phase_scale == 1.0 and tc.average_last == 2 * tc.patience <= tc.keep_last
+    for cell in space.cells():
+        cfg = base.with_overrides({**cell.overrides, **({} if cell.control else {"model.bert.name": TINY_BERT["name"]})})
+        phases = schedule_of(cfg, build_model(cfg.model, VOCAB, PAD, BOS, EOS))
+        if cell.control:
+            assert phases == ()
+            continue
+        assert [p.epochs for p in phases] == [0] * len(phases) and phases[-1].name == "finetune", cell.label
+        assert tc.max_epochs >= 4 * len(phases) * (tc.patience + 1)  # room: each phase four times its minimum
     plan.validate_space(space, base)
 
 
@@ -263,8 +292,9 @@ def test_from_scratch_studies_train_to_convergence_unless_they_run_a_phase_sched
     scratch = [s for s in search_spaces.all_spaces() if s.protocol is not None and not s.protocol.warm_start]
     assert {s.name for s in scratch} >= {"ablations:plm_sponsored_loss", "kd_alpha:plm_sponsored", "ablations:bert_jam"}
     for space in scratch:
-        if "train.phase_scale" in space.budget:  # the paper's phases, each run to its end; the last by patience
-            assert space.budget.get("train.patience", 0) > 0, space.name
+        if "train.phase_scale" in space.budget:  # the paper's phases, each until the baseline's rule fires in it
+            assert space.budget.get("train.phases_converge") and space.budget_name == "converged", space.name
+            assert {k: space.budget[k] for k in BASELINE_BUDGET} == BASELINE_BUDGET, space.name
             continue
         assert space.budget == BASELINE_BUDGET and space.budget_name == "converged", space.name
         quick = space.with_budget("quick")

@@ -242,6 +242,17 @@ def check_schedule_budget(phases: tuple[PhaseConfig, ...], max_epochs: int, scal
                       f"{source} ({describe_phases(phases)}{scaled}); set train.max_epochs >= {need}{hint}")
 
 
+def check_converge_budget(phases: tuple[PhaseConfig, ...], max_epochs: int, patience: int, source: str) -> None:
+    """Phases run until convergence (``train.phases_converge``) each take at least ``patience + 1`` epochs (the
+    first epoch of a phase is its best so far; ``patience`` more without a gain end it): a one-line
+    :class:`ConfigError` when ``train.max_epochs`` cannot run that many."""
+    need = len(phases) * (patience + 1)
+    if phases and max_epochs < need:
+        raise ConfigError(f"train.max_epochs: {max_epochs} epochs cannot run the {len(phases)} phases of {source} "
+                          f"until convergence ({describe_phases(tuple(replace(p, epochs=0) for p in phases))}: at "
+                          f"least train.patience + 1 = {patience + 1} epochs each); set train.max_epochs >= {need}")
+
+
 def suggest_phase_scale(phases: tuple[PhaseConfig, ...], max_epochs: int) -> float:
     """A ``train.phase_scale`` to suggest: ``max_epochs`` / the schedule's length (floored to 0.01), lowered
     in steps of 0.01 until the rounded schedule fits ``max_epochs``."""
@@ -312,6 +323,11 @@ class TrainConfig:
     # schedule: the explicit way to run a long schedule (BERT-JAM's 40/10/10) on a small budget, logged by
     # the trainer. A schedule longer than max_epochs is refused, never cut (check_schedule_budget).
     phase_scale: float = 1.0
+    # Every phase of the schedule until convergence (BERT-JAM Section 3: "we train the model until convergence
+    # in the first two phases"): a phase ends when the patience rule fires in it, counted from its start, and the
+    # next one begins; the last phase's ends the run. The phases' epochs then do not apply (train.max_epochs caps
+    # the whole run), nor does phase_scale. Needs train.patience.
+    phases_converge: bool = False
     # Warm start: a trained checkpoint (e.g. the baseline's) whose matching weights initialise the model
     # before training; new parameters (BERT attention) stay fresh. Ignored when resuming.
     init_from: str = ""
@@ -357,7 +373,15 @@ class TrainConfig:
               "only the last phase may be open-ended (epochs = 0)")
         check(math.isfinite(self.phase_scale) and self.phase_scale > 0, "train.phase_scale",
               f"must be > 0, got {self.phase_scale}")
-        check_schedule_budget(self.phases, self.max_epochs, self.phase_scale, "train.phases")
+        check(not self.phases_converge or self.patience > 0, "train.phases_converge",
+              "ends each phase when the patience rule fires: set train.patience > 0")
+        check(not self.phases_converge or self.phase_scale == 1.0, "train.phase_scale",
+              "scales fixed phase lengths; with train.phases_converge every phase runs until the patience rule "
+              "fires: leave it at 1")
+        if self.phases_converge:
+            check_converge_budget(self.phases, self.max_epochs, self.patience, "train.phases")
+        else:
+            check_schedule_budget(self.phases, self.max_epochs, self.phase_scale, "train.phases")
 
     def schedule(self, phases: tuple[PhaseConfig, ...], source: str) -> tuple[PhaseConfig, ...]:
         """``phases`` (``train.phases`` or a model's default schedule) as this config runs them: scaled by
@@ -365,6 +389,10 @@ class TrainConfig:
         fit). Validated as ``train.phases`` are."""
         if not phases:
             return ()
+        if self.phases_converge:  # every phase open: the patience rule ends it
+            check_converge_budget(phases, self.max_epochs, self.patience, source)
+            replace(self, phases=phases)  # the rest of a configured schedule's validation (names, open end)
+            return tuple(replace(p, epochs=0) for p in phases)
         check_schedule_budget(phases, self.max_epochs, self.phase_scale, source)
         replace(self, phases=phases)  # the rest of a configured schedule's validation (names, open end)
         return scale_phases(phases, self.phase_scale)

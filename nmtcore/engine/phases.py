@@ -64,6 +64,14 @@ def phase_index(phases: tuple[PhaseConfig, ...], epoch: int) -> int:
     return len(phases) - 1
 
 
+def saved_phase(phases: tuple[PhaseConfig, ...], history: list[dict[str, float]], epoch: int) -> int:
+    """The phase a checkpoint was saved in: its last epoch's (``phase`` in the epoch history, 1-based), else
+    (a checkpoint before any epoch, or one without phases recorded) the one ``epoch`` falls in."""
+    if history and "phase" in history[-1]:
+        return min(int(history[-1]["phase"]) - 1, len(phases) - 1)
+    return phase_index(phases, max(epoch, 1))
+
+
 def schedule_length(phases: tuple[PhaseConfig, ...]) -> float:
     """Total epochs of the schedule; inf without one or with an open-ended last phase."""
     if not phases or phases[-1].epochs == 0:

@@ -56,8 +56,7 @@ from nmtcore.engine.optim import InverseSqrtSchedule, build_optimizer
 from nmtcore.engine.phases import (
     apply_phase,
     check_update_budget,
-    phase_index,
-    phase_start,
+    saved_phase,
     schedule_length,
     start_schedule,
 )
@@ -455,7 +454,7 @@ class Trainer:
                                   "wrote it, or --no-resume / a new output dir)")
         ts = ckpt["train_state"]
         if self.phases:  # the optimizer state saved belongs to the phase of the saved epoch
-            self.enter_phase(phase_index(self.phases, max(ts["epoch"], 1)))
+            self.enter_phase(saved_phase(self.phases, ts["history"], ts["epoch"]))
         load_model_weights(self.model, ckpt["model"], source)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.state = TrainState(epoch=ts["epoch"], num_updates=ts["num_updates"],
@@ -492,8 +491,8 @@ class Trainer:
                 stop_reason = "max_updates"
                 break
             epoch = self.state.epoch + 1
-            if self.phases and phase_index(self.phases, epoch) != self.phase_index:
-                self.enter_phase(phase_index(self.phases, epoch))
+            if self.phases and self.phase_index < len(self.phases) - 1 and self.phase_ended():
+                self.enter_phase(self.phase_index + 1)
                 # Early stopping and "best" restart with each phase: the final model comes from the last.
                 self.state.best_valid_loss, self.state.best_score, self.state.bad_epochs = math.inf, math.nan, 0
             metrics = self.train_epoch(epoch)
@@ -508,7 +507,7 @@ class Trainer:
             log.info("epoch %d: %s", epoch, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             for cb in self.callbacks:
                 cb.on_epoch_end(self, epoch, metrics, path)
-            if self.rule_on() and self.stop_rule.fired(self.state.bad_epochs):
+            if self.rule_on() and self.stop_rule.fired(self.state.bad_epochs) and not self.converging_on():
                 stop_reason = f"early_stopping(patience={tc.patience})"
                 break
         else:
@@ -528,8 +527,26 @@ class Trainer:
 
     def rule_on(self) -> bool:
         """Whether the patience rule applies now: ``train.patience`` set and, with a schedule, the current phase
-        allows early stopping."""
-        return bool(self.cfg.train.patience) and (not self.phases or self.phases[self.phase_index].early_stop)
+        allows early stopping or runs until convergence (``train.phases_converge``)."""
+        return bool(self.cfg.train.patience) and (not self.phases or self.phases[self.phase_index].early_stop
+                                                  or self.cfg.train.phases_converge)
+
+    def converging_on(self) -> bool:
+        """Whether the rule firing now ends the phase and not the run: phases until convergence, not the last."""
+        return bool(self.phases) and self.cfg.train.phases_converge and self.phase_index < len(self.phases) - 1
+
+    def epochs_in_phase(self) -> int:
+        """Epochs the current phase has trained (the epoch history, which a resume restores)."""
+        return sum(1 for h in self.state.history if h.get("phase") == self.phase_index + 1)
+
+    def phase_ended(self) -> bool:
+        """Whether the current phase has run its course: its epochs, or (``train.phases_converge``) until the
+        patience rule fired in it."""
+        done = self.epochs_in_phase()
+        if self.cfg.train.phases_converge:
+            return done > 0 and self.stop_rule.fired(self.state.bad_epochs)
+        epochs = self.phases[self.phase_index].epochs
+        return 0 < epochs <= done
 
     def record_stop_metric(self, epoch: int, metrics: dict[str, float]) -> None:
         """Update the best epoch and the count of epochs without a gain from this epoch's ``metrics`` (epochs that
@@ -557,7 +574,7 @@ class Trainer:
         if set, else the best epoch (lowest validation loss). Returns a description."""
         ckpts = epoch_checkpoints(self.save_dir)
         if self.phases:  # average within the last phase only (BERT-JAM: the last epochs of phase 3)
-            first = phase_start(self.phases, self.phase_index)
+            first = self.phase_starts().get(self.phases[self.phase_index].name, 1)
             ckpts = [p for p in ckpts if int(p.stem.removeprefix("epoch")) >= first]
         if self.cfg.train.average_last > 1 and len(ckpts) >= 2:
             chosen = ckpts[-self.cfg.train.average_last:]
