@@ -555,3 +555,42 @@ def test_a_sweep_exported_and_imported_into_another_store_gives_the_same_report(
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
     with pytest.raises(tracking.TrackingError, match="not a sweep archive"):
         archive.read_archive(tmp_path / "bad.json.gz")
+
+
+def test_a_sweep_stopped_part_way_says_where_each_unfinished_trial_stands(tmp_path):
+    """A sweep spread over sessions, reported between them: a trial stopped with the sweep (killed) or still
+    running has no test score, so its row is empty; the report says how many epochs it has trained and its best
+    greedy validation BLEU so far (an epoch logged twice, before and after a resume, counted once), beside the
+    control's best. A sweep whose trials all finished says nothing of the kind."""
+    name = "parted"
+    uri = f"sqlite:///{tmp_path / 'parted.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
+        lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=([4.0, 3.0, 3.1], [30.0, 35.5, 35.2]))
+    for index, (label, state, bleus) in enumerate([("full", "killed", [(1, 20.0), (2, 33.0), (3, 36.1), (4, 35.9),
+                                                                        (4, 35.0), (5, 35.8)]),  # epoch 4 twice
+                                                   ("no_mlm", "running", [(1, 25.0)])], start=1):
+        run = parent.child(run_name=f"{label} seed 1", tags={
+            lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{label}-1",
+            "nmtcore.config_key": label, "nmtcore.seed": 1, "nmtcore.tune_trial_id": f"abc_{index:05d}",
+            lifecycle.ARM_TAG: label, lifecycle.CONTROL_TAG: "false", "varied.arm": label,
+            lifecycle.TRIAL_STATE_TAG: state})
+        for epoch, bleu in bleus:
+            run.log_metrics({"valid_bleu": bleu, "valid_loss": 5.0 - bleu / 10, "epoch": epoch}, step=epoch)
+        if state == "killed":
+            run.end("KILLED")
+    rep = results.build_report(name, uri, n_bootstrap=100)
+    full, no_mlm = rep.groups[1:]
+    assert full.unfinished == [results.Progress("1", "killed", 5, 36.1, 3)]
+    assert no_mlm.unfinished == [results.Progress("1", "running", 1, 25.0, 1)]
+    assert rep.groups[0].unfinished == []
+    text = report.render_markdown(rep)
+    assert "**Not finished yet**" in text and "the control's best over its finished runs: 35.50" in text
+    assert ("- full: seed 1 killed: 5 epochs, best greedy validation BLEU 36.10 at epoch 3 (2 since)" in text)
+    assert "- no_mlm: seed 1 running: 1 epoch, best greedy validation BLEU 25.00 at epoch 1 (0 since)" in text
+    js = report._to_json(rep)
+    assert js["unfinished"]["full"][0] == {"seed": "1", "state": "killed", "epochs": 5, "best_bleu": 36.1,
+                                           "best_epoch": 3}
+    finished = stage_sweep(tmp_path, "done", "patience")
+    assert "Not finished yet" not in report.render_markdown(results.build_report("done", finished, n_bootstrap=100))

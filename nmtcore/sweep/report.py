@@ -28,6 +28,7 @@ figures of :mod:`nmtcore.sweep.figures`.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -181,8 +182,24 @@ def render_markdown(report: SweepReport) -> str:
         lines += [f"**{split}**", "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
     lines += diagnostics_table(report)
+    lines += unfinished_lines(report)
     tail = [f"- warning: {w}" for w in report.warnings]
     return "\n".join(head + lines + tail) + "\n"
+
+
+def unfinished_lines(report: SweepReport) -> list[str]:
+    """Where each trial that has not finished stands (a sweep stopped at a session's end, or still running): its
+    epochs and best greedy validation BLEU so far, beside the reference's best over its finished runs."""
+    groups = [g for g in report.groups if g.unfinished]
+    if not groups:
+        return []
+    ref = report.reference
+    best = mean([max(c["valid_bleu"]) for _, c in ref.curves if c.get("valid_bleu")]) if ref is not None else None
+    against = (f"; the {ref.label}'s best over its finished runs: {_f(best)}"
+               if ref is not None and best is not None and not math.isnan(best) else "")
+    lines = [f"**Not finished yet** (no test score until they are; `--resume` continues a stopped sweep){against}:", ""]
+    lines += [f"- {g.label}: " + "; ".join(p.describe() for p in g.unfinished) for g in groups]
+    return lines + [""]
 
 
 def diagnostics_table(report: SweepReport) -> list[str]:
@@ -251,7 +268,8 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
-            "reused": report.reused()}
+            "reused": report.reused(),
+            "unfinished": {g.label: [dataclasses.asdict(p) for p in g.unfinished] for g in report.groups if g.unfinished}}
 
 
 def _sd(xs: list[float]) -> float | None:

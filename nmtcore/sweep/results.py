@@ -20,7 +20,7 @@ from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
 from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep import timing
-from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, find_sweep_run, sweep_children, trial_state
+from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, TrialState, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.space import CONTROL
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
@@ -86,6 +86,7 @@ class Group:
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
+    unfinished: list["Progress"] = field(default_factory=list)  # runs still training or stopped with the sweep
 
     @property
     def still_improving(self) -> int:
@@ -98,6 +99,23 @@ class Group:
         rule on a noisy metric can fire while the loss still falls; such a run has not converged)."""
         return bool(self.stopped_by) and all(rule == PATIENCE and not improving
                                              for rule, improving in zip(self.stopped_by, self.improving_at_stop))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a trial that has not finished got (running, or killed when its sweep stopped: a sweep spread over
+    sessions): its epochs and its best greedy validation BLEU so far, at which epoch."""
+
+    seed: str
+    state: str
+    epochs: int
+    best_bleu: float  # NaN: no validation BLEU logged
+    best_epoch: int
+
+    def describe(self) -> str:
+        best = (f"best greedy validation BLEU {self.best_bleu:.2f} at epoch {self.best_epoch}"
+                f" ({self.epochs - self.best_epoch} since)" if math.isfinite(self.best_bleu) else "no validation BLEU")
+        return f"seed {self.seed or '?'} {self.state}: {self.epochs} epoch{'s' * (self.epochs != 1)}, {best}"
 
 
 @dataclass
@@ -261,6 +279,21 @@ def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
     return {k: [v for _, v in metrics.get(k, [])] for k in ("valid_loss", "valid_bleu", "num_updates")}
 
 
+def _progress(run: tracking.RunRecord, state: str, uri: str) -> Progress:
+    """An unfinished run's :class:`Progress`, from its per-epoch validation BLEU (an epoch logged twice, by an
+    attempt before a resume and by the resumed one, counts once: the last value)."""
+    try:
+        history = tracking.get_run_metrics(run.run_id, uri).get("valid_bleu", [])
+    except tracking.TrackingError:
+        history = []
+    by_epoch = dict(history)  # step = epoch; a later value of the same step wins
+    epochs = int(run.metrics.get("epoch", max(by_epoch, default=0)))
+    if not by_epoch:
+        return Progress(run.tags.get(SEED_TAG, ""), state, epochs, math.nan, 0)
+    best_epoch = max(sorted(by_epoch), key=lambda e: (by_epoch[e], -e))  # the first epoch of the best value
+    return Progress(run.tags.get(SEED_TAG, ""), state, epochs, by_epoch[best_epoch], int(best_epoch))
+
+
 def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
     """Whether a run's validation BLEU was still rising at its last epoch: the last epoch is the best by more
     than ``tolerance`` BLEU. Validation loss alone misses it: after a warm start a fused model's loss can level
@@ -293,6 +326,8 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         g.status[state] = g.status.get(state, 0) + 1
         if metric in r.metrics:
             g.valid_metric.append(r.metrics[metric])
+        if state in (TrialState.RUNNING.value, TrialState.KILLED.value):
+            g.unfinished.append(_progress(r, state, uri))
         if state != "complete":
             continue
         seed = r.tags.get(SEED_TAG, "")
