@@ -156,3 +156,47 @@ def test_its_stop_is_the_sweep_commands_sigterm():
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"stopped by signal {int(signal.SIGTERM)}" in done.stdout
     assert "time limit: " in done.stderr and "stopping the sweep as SIGTERM does" in done.stderr
+
+
+def test_a_new_trial_is_foreseen_from_the_estimate_of_its_epoch():
+    """The sweep's cost estimate knows each trial's epoch time (by config key): a trial that starts new is
+    foreseen as if it had written a checkpoint at its start. One that Tune starts minutes before the limit, beside
+    trials that cannot write another either, stops the sweep at once instead of holding it to the timer; one
+    whose first epoch fits does not; a trial the estimate does not know holds the sweep as before."""
+    from nmtcore.sweep.cost import RunCost, estimate
+
+    est = estimate([], None, False, [RunCost("arm", 10, 420.0, 30.0, "cap"), RunCost("ctl", 10, 90.0, 10.0, "cap")],
+                   2, "m", keys=["k_arm", "k_ctl"])
+    assert est.epochs_s == (("k_arm", 420.0), ("k_ctl", 90.0))
+    clock, stops = Clock(), []
+    limit = limit_at(2000.0, clock, stops)  # stop by 1940
+    limit.expected.update(est.epochs_s)
+    keys = {"old": "k_old", "arm": "k_arm", "ctl": "k_ctl", "other": "k_unknown"}
+    callback = _TimeLimitCallback(limit, key_of=lambda t: keys[t.trial_id])
+    old = SimpleNamespace(trial_id="old", status="RUNNING", last_result={})
+    callback.on_trial_result(5, [old], old, {"time_this_iter_s": 600.0})  # next at 1600
+    clock.now = 1600.0
+    callback.on_trial_result(6, [old], old, {"time_this_iter_s": 600.0})  # next at 2200: only old runs...
+    assert stops == [1]  # ...so it stops (the existing rule)
+    # Again with a second trial, 'done', which finishes at 1600; a new trial starts in its place beside 'old'
+    # (next checkpoint at 2200): 'ctl' would checkpoint at 1690 (fits), 'arm' at 2020 (does not).
+    for new_id, fits in (("ctl", True), ("arm", False), ("other", None)):
+        clock.now, stops = 1000.0, []
+        limit = limit_at(2000.0, clock, stops)
+        limit.expected.update(est.epochs_s)
+        callback = _TimeLimitCallback(limit, key_of=lambda t: keys[t.trial_id])
+        done = SimpleNamespace(trial_id="done", status="RUNNING", last_result={})
+        callback.on_trial_result(5, [old, done], done, {"time_this_iter_s": 500.0})  # next at 1500: fits
+        callback.on_trial_result(5, [old, done], old, {"time_this_iter_s": 1200.0})  # next at 2200: cannot
+        clock.now = 1600.0
+        callback.on_trial_complete(6, [old, done], done)
+        done.status = "TERMINATED"
+        assert not stops
+        new = SimpleNamespace(trial_id=new_id, status="PENDING", last_result={})
+        callback.on_trial_start(6, [old, done, new], new)
+        if fits is False:
+            assert stops == [1] and f"{new}" in limit.fired, limit.fired
+        else:
+            assert not stops
+            # 'other': not in the estimate, nothing foreseen: it holds the early stop until it checkpoints
+            assert (new_id in limit.checkpoints) == (fits is True)

@@ -96,6 +96,7 @@ class Estimate:
     phases: tuple[Phase, ...]
     machine: str
     runs: tuple[tuple[str, float], ...] = ()  # (the trial's config key, its estimated seconds), in grid order
+    epochs_s: tuple[tuple[str, float], ...] = ()  # (the trial's config key, one epoch's estimated seconds)
 
     @property
     def seconds(self) -> float:
@@ -181,7 +182,8 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
     phases.append(Phase("trials", total, f"{len(trials)} trial{'s' * (len(trials) != 1)}{again}, {slots} at once "
                                          f"({waves} wave{'s' * (waves != 1)}); an epoch "
                                          f"{duration(min(per, default=0))}-{duration(max(per, default=0))}; {epochs}"))
-    return Estimate(tuple(phases), machine, tuple(zip(keys, (t.seconds for t in trials))))
+    return Estimate(tuple(phases), machine, tuple(zip(keys, (t.seconds for t in trials))),
+                    tuple(zip(keys, (t.epoch_s for t in trials))))
 
 
 # ---------------------------------------------------------------------------------------------- epochs

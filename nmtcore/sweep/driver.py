@@ -136,6 +136,8 @@ def run_sweep(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
                                                           worker_env, t0, clock, _done_before(state, settings))
         if made is not None:
             base = base.with_overrides({"train.init_from": str(made.path)})
+        if limit is not None and estimated is not None:  # a new trial's first checkpoint, foreseen
+            limit.expected.update(estimated.epochs_s)
         parent = _open_parent(space, base, settings, state, exp_dir, data, made, estimated)
         ctx = _context(space, base, settings, parent, exp_dir, footprints, trial_callbacks, worker_env, data)
         interrupted, trials, report_files = _run_trials(ctx, space, base, settings, parent, exp_dir, state,

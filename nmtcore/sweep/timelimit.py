@@ -56,6 +56,9 @@ class TimeLimit:
     stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
     clock: Callable[[], float] = time.time
     checkpoints: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # One epoch's estimated seconds per trial config key (the sweep's cost estimate): a new trial's first
+    # checkpoint foreseen from its start, as a resumed trial's is from its last epoch's time.
+    expected: dict[str, float] = field(default_factory=dict)
     fired: str = ""  # why it stopped the sweep ("" while it has not)
     _timer: threading.Timer | None = None
 
@@ -69,15 +72,23 @@ class TimeLimit:
         last epoch having taken ``epoch_s`` in an earlier session)."""
         self.checkpoints[trial] = (self.clock(), epoch_s)
 
+    def started(self, trial: str, key: str) -> bool:
+        """A new trial (config key ``key``) started now: with an estimate of its epoch, its first checkpoint is
+        foreseen as if it had written one now. Returns whether it could be."""
+        if key not in self.expected:
+            return False
+        self.checkpoints[trial] = (self.clock(), self.expected[key])
+        return True
+
     def forget(self, trial: str) -> None:
         """``trial`` is no longer running."""
         self.checkpoints.pop(trial, None)
 
     def nothing_more_fits(self, running: list[str]) -> bool:
         """Whether no trial of ``running`` (their ids) is expected to write another checkpoint before the stop
-        must begin: each has written one, and its last one plus its last epoch's time falls after
-        :attr:`stop_by`. A running trial with no checkpoint yet (its first epoch under way) may still write one:
-        then the timer decides."""
+        must begin: each has written one (or started with an estimated epoch: :meth:`started`), and its last one
+        plus its last epoch's time falls after :attr:`stop_by`. A running trial with neither (its first epoch under
+        way, no estimate) may still write one: then the timer decides."""
         if not running or any(t not in self.checkpoints for t in running):
             return False
         return all(when + epoch_s > self.stop_by for when, epoch_s in (self.checkpoints[t] for t in running))

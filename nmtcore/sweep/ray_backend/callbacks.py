@@ -188,18 +188,34 @@ class _TimeLimitCallback(tune.Callback):
     can write another before the limit. Pickled with the Tuner, it leaves the limit behind (a restored Tuner gets
     a live one)."""
 
-    def __init__(self, limit: TimeLimit | None) -> None:
+    def __init__(self, limit: TimeLimit | None, key_of: Callable[[Any], str] | None = None) -> None:
         self.limit = limit
+        self.key_of = key_of  # a trial's config key (what the estimate's epoch times are keyed by)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"limit": None}
+        return {"limit": None, "key_of": None}
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         # A resumed trial continues from its checkpoint now, and its last epoch's time is known from the session
-        # that reported it: its next checkpoint can be foreseen before it writes one here. A new trial's cannot.
+        # that reported it: its next checkpoint can be foreseen before it writes one here. A new trial's, from
+        # the sweep's estimate of its epoch, where there is one.
+        if self.limit is None:
+            return
         epoch_s = (trial.last_result or {}).get("time_this_iter_s")
-        if self.limit is not None and epoch_s:
+        if epoch_s:
             self.limit.checkpointed(trial.trial_id, float(epoch_s))
+        elif self.key_of is None or not self.limit.started(trial.trial_id, self._key(trial)):
+            return
+        running = sorted({t.trial_id for t in trials if t.status == "RUNNING"} | {trial.trial_id})
+        if self.limit.nothing_more_fits(running):  # e.g. a trial started minutes before the limit
+            self.limit.fire(f"no running trial, {trial} just started included, can write another epoch checkpoint "
+                            f"before {clock_time(self.limit.stop_at)} (less {self.limit.margin_s:.0f} s to stop in)")
+
+    def _key(self, trial: Any) -> str:
+        try:
+            return self.key_of(trial) if self.key_of is not None else ""
+        except Exception:  # noqa: BLE001 - never let foresight stop a sweep
+            return ""
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
                         **info: Any) -> None:

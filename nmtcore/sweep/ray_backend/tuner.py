@@ -4,6 +4,7 @@ cluster it resumes on), fitted, and what it left (:class:`TuneOutcome`)."""
 from __future__ import annotations
 
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,9 @@ from typing import Any, Callable
 
 from ray import tune
 
+from nmtcore.sweep.plan import config_key, trial_overrides
 from nmtcore.sweep.settings import SweepSettings, is_uri
+from nmtcore.sweep.space import SearchSpace
 from nmtcore.sweep.timelimit import TimeLimit
 from nmtcore.sweep.trial import SweepContext
 
@@ -49,6 +52,11 @@ class TuneOutcome:
     leaked_removed: int
 
 
+def _config_key_of(space: SearchSpace, base_seed: int, trial: Any) -> str:
+    """A Tune trial's config key, as its MLflow run is tagged and the cost estimate keys its epochs."""
+    return config_key(trial_overrides(space, trial.config, base_seed))
+
+
 def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epochs: int, restore: bool,
              cells: bool | None = None, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
              before_fit: Callable[[], None] | None = None, limit: TimeLimit | None = None) -> TuneOutcome:
@@ -71,7 +79,8 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     max_concurrent = min(settings.max_concurrent or fits, fits)
     callback = _SweepCallback(ctx, on_trial_end)
     console = _TrialsConsole(_TrialNames(space, ctx.base_seed), space.metric, max_epochs)
-    live = [callback, console] + ([_TimeLimitCallback(limit)] if limit is not None else [])
+    key_of = functools.partial(_config_key_of, space, ctx.base_seed)
+    live = [callback, console] + ([_TimeLimitCallback(limit, key_of)] if limit is not None else [])
     trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx),
                                     trial_actor_resources(ctx))
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
