@@ -245,7 +245,7 @@ def test_a_baseline_still_to_train_starts_before_the_bert_features_and_a_stored_
     monkeypatch.setattr(pre_sweep, "ensure_baseline_task", lambda cfg, root=None, env=None, **kw: done.append(
         f"baseline {cfg.model.name}") or "made")
     shared: list[object] = []
-    monkeypatch.setattr(driver, "_estimate", lambda space, base, settings, baseline, t0: shared.append(t0)
+    monkeypatch.setattr(driver, "_estimate", lambda space, base, settings, baseline, t0, left=None: shared.append(t0)
                         or done.append("estimate") or "estimated")
     base = tiny_base(tmp_path, **{"model.bert.name": "minilm"})
     space = SearchSpace("t", "v", "bert_fused", arms={"a": {"model.p_net": 1.0}}, protocol=WARM_START)
