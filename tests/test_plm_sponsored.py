@@ -434,3 +434,32 @@ def test_trains_and_decodes_through_the_platform(tmp_path):
     assert out.kd.student.shape == out.kd.teacher.shape and torch.isfinite(out.mlm_loss)
     hyps = beam_search(model, batch, DecodeConfig(beam=3))
     assert len(hyps) == 4 and all(len(h) >= 1 for h in hyps)
+
+
+def test_activation_checkpointing_changes_speed_and_memory_not_the_updates(tmp_path):
+    """Checkpointing both fine-tuned BERTs (Eq. 9 with KD, MLM and L_T, dropout live) or not trains the same
+    model: a speed-only setting (nmtcore.config.SPEED_ONLY_KEYS), so a resumed sweep may switch it off and reuse
+    keys leave it out."""
+    from nmtcore.config import SPEED_ONLY_KEYS
+    from nmtcore.engine import build_trainer, setup_torch
+    from nmtcore.testing.synthetic import tiny_experiment
+
+    assert {"model.bert.activation_checkpointing", "model.tgt_bert.activation_checkpointing"} <= set(SPEED_ONLY_KEYS)
+    weights = []
+    for on in (True, False):
+        cfg = tiny_experiment(tmp_path / str(on), **{
+            "model.name": "plm_sponsored", "model.bert.name": tiny_bert_dir(), "model.bert.freeze": False,
+            "model.tgt_bert.name": tiny_bert_dir(), "model.d_model": 32, "model.ffn_dim": 64, "train.kd_alpha": 0.9,
+            "train.num_threads": 1, "data.max_tokens": 200, "model.bert.activation_checkpointing": on,
+            "model.tgt_bert.activation_checkpointing": on})
+        setup_torch(cfg)
+        trainer = build_trainer(cfg, device=torch.device("cpu"))
+        assert (trainer.model.bert.checkpointed_layers > 0) == on
+        batches = iter(list(trainer.train_batches(1)))
+        for _ in range(3):
+            trainer.train_step([next(batches)])
+        weights.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    torch.set_num_threads(2)
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-5, atol=1e-6, msg=k)

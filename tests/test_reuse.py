@@ -24,7 +24,7 @@ def test_the_key_ignores_paths_threads_and_logging_and_counts_what_decides_resul
     key = reuse.reuse_key(cfg, DATA)
     same = cfg.with_overrides({"output_dir": str(tmp_path / "elsewhere"), "train.num_threads": 7,
                                "train.log_interval": 3, "data.data_dir": "/somewhere", "train.keep_last": 9,
-                               "name": "other"})
+                               "name": "other", "model.bert.activation_checkpointing": False})
     assert reuse.reuse_key(same, DATA) == key
     differs = {"seed": cfg.with_overrides({"train.seed": 2}), "decoding": cfg.with_overrides({"decode.beam": 4}),
                "tested on": cfg.with_overrides({"data.test_splits": ["test_2017_flickr"]}),

@@ -511,3 +511,22 @@ def test_a_lone_trial_borrows_the_idle_cpu_and_a_full_wave_does_not(ray_cluster,
                                                 borrow_idle_cpus=False), log_to_driver=False)
     (child,) = runs_of("lone-off", store)[1]
     assert "nmtcore.max_threads" not in child.tags
+
+
+def test_a_resumed_sweep_takes_settings_that_change_no_result_from_its_command(tmp_path, capsys):
+    """A sweep spread over sessions continues with the base config it started with, but settings that change
+    only speed and memory (activation checkpointing, turned off to train faster) come from the command that
+    resumes it: said on the console and written to its state; anything else stays as it started."""
+    from nmtcore.sweep.state import STATE_FILE, ResumeState
+
+    started = tiny_base(tmp_path, **{"model.bert.activation_checkpointing": True, "train.lr": 1e-3})
+    state = ResumeState(space="t", model="transformer", parent_run_id="0" * 32, tracking_uri="sqlite:///x.db",
+                        seeds=1, base=started)
+    command = started.with_overrides({"model.bert.activation_checkpointing": False, "train.lr": 5e-4})
+    exp_dir = tmp_path / "sweep"
+    resumed = driver._speed_settings_from(state, command, str(exp_dir), "s")
+    assert resumed.base.model.bert.activation_checkpointing is False and resumed.base.train.lr == 1e-3
+    assert ("sweep s: resumed with model.bert.activation_checkpointing=False (it started with True)"
+            in capsys.readouterr().out)
+    assert ResumeState.read(exp_dir / STATE_FILE).base == resumed.base
+    assert driver._speed_settings_from(resumed, command, str(exp_dir), "s") is resumed  # nothing more to take

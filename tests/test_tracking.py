@@ -163,9 +163,20 @@ def test_reattach_resumes_same_run(store: str) -> None:
         # A resume with a different config is a real error, not a hiccup: it raises, naming the key.
         with pytest.raises(TrackingError, match="train.lr"):
             again.log_config(ExperimentConfig(name="t", train=TrainConfig(lr=5e-3, adam_betas=(0.9, 0.997))))
+        # A setting that changes no result (activation checkpointing: speed and memory) may change on a resume:
+        # the run keeps the value it started with and records the change.
+        from nmtcore.config import SPEED_ONLY_KEYS
+
+        faster = cfg.with_overrides({"model.bert.activation_checkpointing": False, "train.log_interval": 7})
+        again.log_config(faster, changeable=SPEED_ONLY_KEYS)
+        with pytest.raises(TrackingError, match="model.bert.activation_checkpointing"):
+            again.log_config(faster)  # not declared changeable: refused as any other
     runs = load_runs("resume", store)
     assert len(runs) == 1
     run = runs[0]
+    assert run.params["model.bert.activation_checkpointing"] == "True" and run.params["train.log_interval"] == "50"
+    assert run.tags["nmtcore.changed_on_resume"] == ("model.bert.activation_checkpointing: True -> False; "
+                                                     "train.log_interval: 50 -> 7")
     assert run.status == "FINISHED" and FAILURE_REASON_TAG not in run.tags
     assert run.tags["nmtcore.attach_count"] == "1" and run.tags["nmtcore.resumed"] == "true"
     assert get_run_metrics(run.run_id, store)["loss"] == [(1, 3.0), (2, 2.0)]

@@ -23,6 +23,14 @@ from nmtcore.config.families import MODEL_CONFIGS
 from nmtcore.config.sections import (ConfigError, DataConfig, DecodeConfig, ModelConfig, TrainConfig, check)
 
 
+# Flat keys that change how fast a run goes or how much memory it takes, never its numbers (beyond the last bits,
+# as another thread count may): a resumed sweep takes them from its command (nmtcore.sweep.driver), a re-attached
+# MLflow run records a change of them instead of refusing it (nmtcore.tracking.store), and reuse keys leave them
+# out (nmtcore.sweep.reuse).
+SPEED_ONLY_KEYS = ("model.bert.activation_checkpointing", "model.tgt_bert.activation_checkpointing",
+                   "train.num_threads", "train.log_interval", "data.prefetch_batches")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """One experiment: what to train on, which model, how to train and decode, where to write."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from nmtcore import tracking
-from nmtcore.config import BertConfig, ConfigError, ExperimentConfig
+from nmtcore.config import SPEED_ONLY_KEYS, BertConfig, ConfigError, ExperimentConfig
 from nmtcore.engine import Callback
 from nmtcore.sweep import cost, pre_sweep, ray_backend, timing
 from nmtcore.sweep.dashboard import dashboard_access
@@ -169,12 +169,30 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
         if state.space != space.name:
             raise SweepError(f"sweep {settings.name!r} ran space {state.space}, not {space.name}")
         settings = replace(settings, seeds=state.seeds, tracking_uri=state.tracking_uri)
-        # the sweep continues with the base config it started with
+        # The sweep continues with the base config it started with, but for settings that change no result, which
+        # it takes from this command (a newer default, or a --set: activation checkpointing off, say).
+        state = _speed_settings_from(state, base, exp_dir, settings.name)
         return state, space.with_model(state.model or space.model), state.base, settings
     if state_path.exists() or (not is_uri(settings.storage) and (Path(exp_dir) / "tuner.pkl").exists()):
         raise SweepError(f"sweep {settings.name!r} already exists at {exp_dir}: pass --resume to continue it "
                          "or --name to start another")
     return None, space, base, settings
+
+
+def _speed_settings_from(state: ResumeState, command: ExperimentConfig, exp_dir: str, name: str) -> ResumeState:
+    """``state`` with the values of :data:`~nmtcore.config.SPEED_ONLY_KEYS` that this command's base config
+    (``command``) sets otherwise, said on the console and written to the state file; unchanged if none."""
+    was, now = state.base.flat(), command.flat()
+    changed = {k: now[k] for k in SPEED_ONLY_KEYS if k in now and k in was and now[k] != was[k]}
+    if not changed:
+        return state
+    for k, v in changed.items():
+        print(f"sweep {name}: resumed with {k}={v} (it started with {was[k]}): speed and memory only, the same "
+              "numbers", flush=True)
+    state = replace(state, base=state.base.with_overrides(changed))
+    if not is_uri(exp_dir):
+        state.write(exp_dir)
+    return state
 
 
 def before_trials(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,

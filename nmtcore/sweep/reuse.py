@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from nmtcore import tracking
-from nmtcore.config import ExperimentConfig
+from nmtcore.config import SPEED_ONLY_KEYS, ExperimentConfig
 from nmtcore.devices import autocast_dtype
 from nmtcore.sweep.archive import fill_run, run_record
 from nmtcore.sweep.baseline import code_digest
@@ -46,10 +46,11 @@ FORMAT = 1  # bump when the key's meaning changes
 REUSE_KEY_TAG = schema.REUSE_KEY
 REUSED_FROM_TAG = schema.REUSED_FROM
 # Config keys that change no result: where things are read and written, logging, how many threads, how many
-# checkpoints are kept. The starting weights count by their content, not their path.
-NOT_RESULTS = ("name", "output_dir", "data.data_dir", "data.cache_dir", "data.download", "data.prefetch_batches",
-               "model.bert.cache_dir", "train.num_threads", "train.log_interval", "train.save_dir",
-               "train.keep_last", "train.init_from")
+# checkpoints are kept, what only speed and memory depend on (SPEED_ONLY_KEYS: activation checkpointing). The
+# starting weights count by their content, not their path.
+NOT_RESULTS = tuple(dict.fromkeys(("name", "output_dir", "data.data_dir", "data.cache_dir", "data.download",
+                                   "model.bert.cache_dir", "train.save_dir", "train.keep_last", "train.init_from",
+                                   *SPEED_ONLY_KEYS)))
 # The code a trial's results depend on: everything but the layers that run and record it.
 CODE = ("nmtcore",)
 NOT_CODE = ("nmtcore/sweep/", "nmtcore/cli/", "nmtcore/tracking/", "nmtcore/testing/")

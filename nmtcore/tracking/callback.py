@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from nmtcore.allocator import allocator_in_use
 from nmtcore.bert import bert_layers
 from nmtcore.bert.quality import cached_quality
+from nmtcore.config import SPEED_ONLY_KEYS
 from nmtcore.diagnostics import PREFIX, measure
 from nmtcore.engine import Callback
 from nmtcore.tracking import schema
@@ -52,7 +53,7 @@ class TrackingCallback(Callback):
         self.tracker, self.cfg = tracker, cfg
 
     def on_train_start(self, trainer: "Trainer") -> None:
-        self.tracker.log_config(self.cfg)
+        self.tracker.log_config(self.cfg, changeable=SPEED_ONLY_KEYS)
         tags = {schema.checksum(k): v for k, v in trainer.data.checksums.items()}
         tags.update({schema.MODEL: self.cfg.model.name, schema.CORPUS: self.cfg.data.corpus,
                      schema.LANGS: f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",

@@ -50,6 +50,7 @@ SACREBLEU_VERSION = "nmtcore.sacrebleu_version"
 MLFLOW_VERSION = "nmtcore.mlflow_version"
 HOSTNAME = "nmtcore.hostname"
 CPU = "nmtcore.cpu"  # the CPU model, its logical CPUs and its widest kernels (nmtcore.host.cpu_description)
+CHANGED_ON_RESUME = "nmtcore.changed_on_resume"  # speed-only settings a resumed run changed: "key: old -> new; ..."
 GIT_SHA = "nmtcore.git_sha"
 GIT_DIRTY = "nmtcore.git_dirty"
 

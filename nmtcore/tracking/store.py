@@ -36,7 +36,7 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
@@ -209,14 +209,33 @@ class Tracker:
         return f"Tracker(run_id={self._run_id!r}, tracking_uri={self.tracking_uri!r})"
 
     # ----------------------------------------------------------------------------------- logging
-    def log_config(self, cfg: "ExperimentConfig") -> None:
+    def log_config(self, cfg: "ExperimentConfig", changeable: Collection[str] = ()) -> None:
         """Log every config field as a dotted param (``train.lr``) and the YAML as ``config.yaml``.
 
         Sequences are logged in YAML flow style (``[0.9, 0.98]``), which reads well in the UI and
         parses back through ``ExperimentConfig.with_overrides``; values longer than MLflow's limit
         are truncated in the param (the artifact keeps them whole).
+
+        A re-attached run (a resume) keeps the params it was logged with. A key of ``changeable`` (settings that
+        change no result: :data:`nmtcore.config.SPEED_ONLY_KEYS`) whose value differs now is recorded in the tag
+        ``nmtcore.changed_on_resume`` instead; any other difference is a one-line :class:`TrackingError`.
         """
-        self.log_params(cfg.flat())
+        params = {k: truncate(tag_value(v), MAX_PARAM_VAL_LENGTH) for k, v in cfg.flat().items()}
+        if self.resumed:
+            data = self._get_run_or_fail(self._run_id, "run").data
+            changed = {k: (data.params[k], v) for k, v in params.items() if k in data.params and data.params[k] != v}
+            refused = sorted(k for k in changed if k not in changeable)
+            if refused:
+                k = refused[0]
+                raise TrackingError(f"run {self._run_id} was logged with {k}={changed[k][0]}, and this attempt has "
+                                    f"{k}={changed[k][1]}: a resumed run keeps the config it started with "
+                                    f"({len(refused)} such key(s): {', '.join(refused)})")
+            if changed:
+                earlier = data.tags.get(schema.CHANGED_ON_RESUME, "")
+                now = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in sorted(changed.items()))
+                self.set_tags({schema.CHANGED_ON_RESUME: f"{earlier}; {now}" if earlier else now})
+                params = {k: v for k, v in params.items() if k not in changed}
+        self.log_params(params)
         self.log_text(cfg.to_yaml(), "config.yaml")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
