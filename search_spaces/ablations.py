@@ -14,10 +14,8 @@ until the platform's patience rule fires in it (counted from the phase's start: 
 validation BLEU, patience 3, minimum gain 0.1, under the loss guard), then the next phase begins; phase 3's ends
 the run. The tested weights average the last 6 epochs of phase 3 (``train.average_last``: twice the patience, so
 the best epoch sits mid-window, as the paper's rule puts it). The control trains from scratch under the same rule
-and averages its own last 6 epochs. Cap: 60 epochs a run (a run the cap stops is flagged, not converged). Not
-measured yet on 2 cores; a guess from the scaled budget's epoch times below (~10 min an epoch in phases 1-2, ~20
-in phase 3, 1 thread, loaded) and the baseline's 16 epochs to converge: 5-7 h an arm, some 12 h of wall clock for
-M0-M3 and the control with 2 trials at a time.
+and averages its own last 6 epochs. Cap: 60 epochs a run (a run the cap stops is flagged, not converged). What it
+costs on 2 cores: ``docs/reproduction.md``, row 4 (not run yet).
 
 **BERT-JAM M0–M3 on a CPU budget** (``--budget scaled``, the earlier one). Every arm runs all of its phases (a
 budget shorter than a schedule is refused, never cut): the paper's 40/10/10 epochs (M2, M3: 50/10) scaled by

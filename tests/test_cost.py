@@ -235,9 +235,9 @@ def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch)
 
 
 def test_a_trial_from_scratch_converges_like_a_baseline_not_like_a_second_stage(tmp_path):
-    """A study without a shared baseline (PLM-sponsored's loss ablation) trains its control from scratch: 19
-    epochs on Multi30k (2026-12-04), where the estimate said 6, the figure of trials warm-started from the
-    baseline. The start decides which measured figure, and which stored runs, a trial's estimate takes."""
+    """A study without a shared baseline (PLM-sponsored's loss ablation) trains its control from scratch: it
+    converges like a baseline, not like a trial warm-started from one, whose figure the estimate took. The start
+    decides which measured figure, and which stored runs, a trial's estimate takes."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True,
             "data.corpus": "multi30k", "train.max_epochs": 60}

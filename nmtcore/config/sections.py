@@ -102,10 +102,9 @@ class BertConfig:
     dropout_when_frozen: bool = False  # the original BERT-fused code left it on; off = eval-mode BERT
     use_cache: bool = True  # frozen-feature cache (bypassed automatically while BERT is fine-tuned)
     # While the BERT is fine-tuned, keep only each BERT layer's input for the backward pass and recompute the
-    # layer there (nmtcore.nn.checkpointing): the same numbers, less memory, more time. Measured (docs/performance.md)
-    # it made PLM-sponsored's CPU step 1.31x as long for 0.66x the peak (3.7 against 5.6 GiB, glibc) and its GPU step
-    # 9% longer for no lower peak: turn it off where memory allows (a speed-only setting, SPEED_ONLY_KEYS: a
-    # resumed sweep takes it from its command). No effect on a frozen BERT.
+    # layer there (nmtcore.nn.checkpointing): the same numbers, less memory, more time (docs/performance.md). On by
+    # default so fine-tuned trials stay within the memory bars; turn it off where memory allows (a speed-only
+    # setting, SPEED_ONLY_KEYS: a resumed sweep takes it from its command). No effect on a frozen BERT.
     activation_checkpointing: bool = True
     max_length: int = 0  # 0 = the BERT's max positions
     # BERT input: "none" = [CLS] sentence [SEP]; "previous" = [CLS] previous line [SEP] sentence [SEP] with

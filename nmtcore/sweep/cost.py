@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import statistics
 import tempfile
@@ -193,24 +194,25 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     the budget's fixed epochs; for a budget that trains to convergence, the median over the converged runs of
     the same model, role, start (``warm``: from other weights, the shared baseline's; default: either in the
     store, and a trial's measured figure that of warm-started ones), data, stopping rule and cap in the store at
-    ``tracking_uri``, else the cap. A trial from scratch converges like a baseline (16 epochs on Multi30k), not
-    like a second stage (6): the start decides."""
+    ``tracking_uri``, else the cap. A trial from scratch converges like a baseline, not like a second stage: the
+    start decides."""
     t = cfg.train
     if not t.patience:
         return float(t.max_epochs), "the budget's fixed epochs"
+    def start(warm: bool | None) -> str:  # how a trial's runs started, as the figure's source says it
+        return {None: "", True: "warm-started ", False: "from-scratch "}[warm] if role == "trial" else ""
+
     epochs = converged_epochs(cfg, role, tracking_uri, warm)
-    start = {None: "", True: "warm-started ", False: "from-scratch "}[warm] if role == "trial" else ""
-    warm = (role == "trial") if warm is None else warm
     if epochs:
-        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {start}{role} run"
+        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {start(warm)}{role} run"
                                                   f"{'s' * (len(epochs) > 1)} of this kind in the store")
+    warm = (role == "trial") if warm is None else warm
     measured = MEASURED_EPOCHS.get((cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name))
     if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
             and measured <= t.max_epochs:
         guard = ("; measured without train.loss_guard, which can only lengthen a run: a lower bound"
                  if t.loss_guard else "")
-        start = ("warm-started " if warm else "from-scratch ") if role == "trial" else ""
-        return float(measured), (f"what the platform's converged {start}{cfg.model.name} runs on {cfg.data.corpus} "
+        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on {cfg.data.corpus} "
                                  f"took (no such run in this store yet; at most the cap, {t.max_epochs}{guard})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
@@ -458,7 +460,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     tokens, valid_n = epoch_tokens(data), len(data.valid)
     test_n = sum(len(data.splits[name]) for name in base.data.test_splits)
     costs: list[RunCost] = []
-    for (label, cfg), ckey in zip(runs, [*keys, *[None] * (len(runs) - len(keys))]):
+    for (label, cfg), ckey in itertools.zip_longest(runs, keys):  # a sampled space's points have no key
         key = shape_key(cfg)
         if key not in speeds:
             ready = ensure_bert(cfg)
@@ -500,11 +502,11 @@ class TrialProgress:
 def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, TrialProgress]:
     """The trials of the sweep whose MLflow parent run is ``parent_run_id``, by config key: what a resumed
     sweep has done before (its trials' child runs; a killed trial's run is re-attached when it resumes)."""
-    from nmtcore import tracking
+    from nmtcore.sweep.lifecycle import sweep_children
     from nmtcore.tracking import schema
 
     out: dict[str, TrialProgress] = {}
-    for r in tracking.search_runs(f"tags.`{tracking.PARENT_RUN_TAG}` = '{parent_run_id}'", tracking_uri):
+    for r in sweep_children(parent_run_id, tracking_uri):
         key = r.tags.get(schema.CONFIG_KEY)
         if not key:
             continue

@@ -260,8 +260,9 @@ def _estimate(space: SearchSpace, base: ExperimentConfig, settings: SweepSetting
 
 
 def _done_before(state: ResumeState | None, settings: SweepSettings) -> dict[str, cost.TrialProgress] | None:
-    """A resumed sweep's trials so far (None: a new sweep, or its store cannot say: no estimate then)."""
-    if state is None:
+    """A resumed sweep's trials so far, for its estimate (None: a new sweep, no estimate asked for, or its store
+    cannot say: no estimate then)."""
+    if state is None or not settings.estimate:
         return None
     try:
         return cost.sweep_progress(state.parent_run_id, state.tracking_uri)

@@ -213,7 +213,7 @@ class _TimeLimitCallback(tune.Callback):
 
     def _key(self, trial: Any) -> str:
         try:
-            return self.key_of(trial) if self.key_of is not None else ""
+            return self.key_of(trial)  # type: ignore[misc]  # (on_trial_start asks only with one set)
         except Exception:  # noqa: BLE001 - never let foresight stop a sweep
             return ""
 
