@@ -5,11 +5,14 @@ trials fit it at once (CPUs, GPUs, each trial's memory estimate)."""
 from __future__ import annotations
 
 
+import _thread
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -101,6 +104,46 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if url and not url.startswith("http"):
         url = f"http://{url}"
     return url or None
+
+
+def exit_quietly_on_sigterm() -> None:
+    """In a Ray worker (a trial's actor, its Train workers, a pre-sweep task): a SIGTERM that lands while Python
+    runs a weakref callback or a finalizer still stops the process, without a traceback in the sweep's output.
+
+    Ray's worker turns SIGTERM (a sweep being stopped, the cluster shutting down) into ``SystemExit``, raised
+    wherever the main thread is. Inside such a callback Python cannot raise it: it prints "Exception ignored
+    in ..." with the traceback and the worker goes on. Here that ``SystemExit`` is not printed and the signal is
+    sent again, so the handler raises it once the callback has returned. Other unraisable errors (a
+    ``SystemExit`` the SIGTERM handler did not raise included) are printed as before. Idempotent."""
+    if getattr(sys.unraisablehook, "nmtcore_quiet_sigterm", False):
+        return
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, SystemExit) and _raised_by_sigterm_handler(unraisable.exc_traceback):
+            _thread.start_new_thread(_sigterm_again, ())  # not from here: the handler would run inside the hook
+            return
+        before(unraisable)
+
+    hook.nmtcore_quiet_sigterm = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _sigterm_again(delay_s: float = 0.01) -> None:
+    """Send this process SIGTERM after ``delay_s``, from a thread of its own (``threading.Thread.start`` would wait
+    in the caller, where the handler would then run)."""
+    time.sleep(delay_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _raised_by_sigterm_handler(tb: Any) -> bool:
+    """Whether the process's SIGTERM handler (a Python function) is one of the frames of ``tb``."""
+    code = getattr(signal.getsignal(signal.SIGTERM), "__code__", None)
+    while code is not None and tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # A local cluster's own processes (GCS, raylet, the dashboard and its modules, the log monitor, the agents) run at

@@ -18,7 +18,7 @@ import ray.train
 from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress
 
 from nmtcore.sweep.ray_backend._private import remove_leaked_placement_groups
-from nmtcore.sweep.ray_backend.cluster import cluster_nodes
+from nmtcore.sweep.ray_backend.cluster import cluster_nodes, exit_quietly_on_sigterm
 T = TypeVar("T")
 
 
@@ -48,6 +48,7 @@ def _pre_sweep_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     gives (its ``progress_kw`` callback and its ``nmtcore`` log records), then ``("result", value)``."""
     import torch
 
+    exit_quietly_on_sigterm()
     lines: queue.Queue[Any] = queue.Queue()
     out: dict[str, Any] = {}
     logger = logging.getLogger("nmtcore")
