@@ -292,6 +292,16 @@ def test_a_resumed_sweep_is_estimated_by_what_is_left_of_it(tmp_path, monkeypatc
                 t.end(status)
     done = cost.sweep_progress(parent.run_id, uri)
     assert done == {k1: cost.TrialProgress(4, True), k2: cost.TrialProgress(3, False)}
+    # A run ended FINISHED whose trial state still says running (a trial Tune stopped, ended by an older
+    # version) is not finished: it trains on when resumed.
+    with tracking.Tracker(uri, experiment="e", tags={tracking.PARENT_RUN_TAG: parent.run_id, schema.CONFIG_KEY: k3,
+                                                      schema.TRIAL_STATE: "running"}) as t:
+        t.log_metrics({"epoch": 1}, step=1)
+    assert cost.sweep_progress(parent.run_id, uri)[k3] == cost.TrialProgress(1, False)
+    with tracking.Tracker(uri, run_id=t.run_id) as again:
+        again.set_tags({schema.TRIAL_STATE: "complete"})
+    assert cost.sweep_progress(parent.run_id, uri)[k3] == cost.TrialProgress(1, True)
+    done.pop(k3, None)
 
     left = cost.dry_run(space, base, settings, progress=lambda _: None, shared_s=0.0, done=done)
     assert [k for k, _ in left.runs] == [k2, k3]  # the finished trial is not estimated again

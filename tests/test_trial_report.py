@@ -68,3 +68,41 @@ def test_a_resumed_trial_reports_the_epochs_ray_never_received(tmp_path: Path, m
     calls.clear()
     report.on_train_start(trainer)  # nothing twice
     assert calls == []
+
+
+@pytest.mark.parametrize("stop", [SystemExit(0), SystemExit(1), KeyboardInterrupt()],
+                         ids=["tune stops it", "sigterm", "ctrl-c"])
+def test_a_trial_stopped_under_it_ends_its_run_killed_not_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   stop: BaseException) -> None:
+    """Tune stops a trial by ending its training with ``sys.exit(0)`` in the trial's next report. That once ended
+    the trial's run FINISHED with its state still "running": the driver's clean-up (RUNNING runs only) missed it,
+    and a resumed sweep's estimate counted it done. It is KILLED, as the driver ends a trial it finds running."""
+    from nmtcore import tracking
+    from nmtcore.sweep.lifecycle import TRIAL_STATE_TAG, TrialState
+    from nmtcore.sweep.trial import TrialLaunch
+    from nmtcore.testing.sweeps import tiny_base
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    with tracking.Tracker(uri, experiment="stopped") as run:
+        run.set_tags({TRIAL_STATE_TAG: TrialState.RUNNING.value})
+    tracking.Tracker(uri, run_id=run.run_id)  # open again, as the trial's tracker finds it
+    cfg = tiny_base(tmp_path, **{"train.max_epochs": 3})
+    reports: list[dict] = []
+
+    def tune_report(metrics, checkpoint=None):  # the trial's first epoch reaches Tune, which then stops it
+        reports.append(metrics)
+        raise stop
+
+    monkeypatch.setattr(rb_trial.tune, "report", tune_report)
+    monkeypatch.setattr(rb_trial.tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(rb_trial, "all_gather", lambda value: [value])
+    monkeypatch.setattr(rb_trial.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    monkeypatch.setattr(rb_trial, "poll_less", lambda: None)
+    launch = TrialLaunch(cfg=cfg, run_id=run.run_id, tracking_uri=uri, trial_key="k", trial_id="t0",
+                         test_split="test", metric="valid_bleu", threads=1, in_actor=True)
+    with pytest.raises(type(stop)):
+        rb_trial._train_loop({rb_trial.LAUNCH_KEY: launch})
+    assert [m["epoch"] for m in reports] == [1.0]
+    ended = tracking.get_run(run.run_id, uri)
+    assert (ended.status, ended.tags[TRIAL_STATE_TAG]) == ("KILLED", "killed"), (ended.status, ended.tags)
+    assert "--resume continues it" in ended.tags[tracking.FAILURE_REASON_TAG]

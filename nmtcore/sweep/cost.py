@@ -502,15 +502,18 @@ class TrialProgress:
 def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, TrialProgress]:
     """The trials of the sweep whose MLflow parent run is ``parent_run_id``, by config key: what a resumed
     sweep has done before (its trials' child runs; a killed trial's run is re-attached when it resumes)."""
-    from nmtcore.sweep.lifecycle import sweep_children
+    from nmtcore.sweep.lifecycle import TrialState, sweep_children, trial_state
     from nmtcore.tracking import schema
 
+    ended = {TrialState.COMPLETE.value, TrialState.STOPPED_EARLY.value, "finished"}  # "finished": no state tag
     out: dict[str, TrialProgress] = {}
     for r in sweep_children(parent_run_id, tracking_uri):
         key = r.tags.get(schema.CONFIG_KEY)
         if not key:
             continue
-        mine = TrialProgress(int(r.metrics.get("epoch", 0)), r.status == "FINISHED")
+        # by its trial state, not its MLflow status alone: a run ended FINISHED while its state still says
+        # "running" (a trial Tune stopped, before it tagged such runs KILLED) has more to train
+        mine = TrialProgress(int(r.metrics.get("epoch", 0)), trial_state(r) in ended)
         seen = out.get(key)
         out[key] = mine if seen is None else TrialProgress(max(seen.epochs, mine.epochs),
                                                            seen.finished or mine.finished)

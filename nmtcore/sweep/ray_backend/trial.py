@@ -296,7 +296,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     if borrow is not None:
         callbacks.append(borrow)
     callbacks += list(lc.callbacks)
-    # Rank 0's tracker ends the child run: FINISHED, or FAILED with the one-line reason.
+    # Rank 0's tracker ends the child run: FINISHED, FAILED with the one-line reason, or KILLED (stopped).
     with tracker if tracker is not None else contextlib.nullcontext():
         try:
             summary = run_experiment(cfg, callbacks=callbacks, resume=True)
@@ -311,6 +311,17 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
                 with contextlib.suppress(Exception):  # never mask the error that ended the trial
                     kind = {FAILURE_KIND_TAG: "oom"} if is_out_of_memory(failure_reason(e)) else {}
                     tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value, **kind})
+            raise
+        except BaseException:
+            # Stopped under the trial: Tune stopping it (its report ends the training with sys.exit(0): a time
+            # limit, an interrupt) or the worker's SIGTERM. Not a normal end, even with status 0: KILLED, as the
+            # driver ends a trial it finds still running, so --resume continues it and no estimate counts it done.
+            if tracker is not None:
+                with contextlib.suppress(Exception):
+                    tracker.set_tags({TRIAL_STATE_TAG: TrialState.KILLED.value,
+                                      tracking.FAILURE_REASON_TAG: "stopped before it finished (the sweep was "
+                                                                   "stopped); --resume continues it"})
+                    tracker.end("KILLED")
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
         test = summary.test.get(lc.test_split) or next(iter(summary.test.values()), None)
