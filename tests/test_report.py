@@ -583,6 +583,8 @@ def test_a_sweep_stopped_part_way_says_where_each_unfinished_trial_stands(tmp_pa
     rep = results.build_report(name, uri, n_bootstrap=100)
     full, no_mlm = rep.groups[1:]
     assert full.unfinished == [results.Progress("1", "killed", 5, 36.1, 3)]
+    # one read of the run's curves serves the report's curves and this section: an epoch once, its last value
+    assert results._valid_curves(full.runs[0], uri)["valid_bleu"] == {1: 20.0, 2: 33.0, 3: 36.1, 4: 35.0, 5: 35.8}
     assert no_mlm.unfinished == [results.Progress("1", "running", 1, 25.0, 1)]
     assert rep.groups[0].unfinished == []
     text = report.render_markdown(rep)

@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -225,7 +225,7 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             first_seen.setdefault((key, seed), rec.name)
             by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
-    histories = {run_id: c["valid_loss"] for run_id, c in curves.items()}
+    histories = {run_id: list(c["valid_loss"].values()) for run_id, c in curves.items()}
     phased = any("phase" in r.metrics for runs in by_key.values() for r in runs)
     groups = [_group(key, runs, varied, splits, metric, curves, space.get("report_metrics") or [], phased, uri)
               for key, runs in by_key.items()]
@@ -270,23 +270,22 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                        pooled=[r.name for r in records] if len(parents) > 1 else [])
 
 
-def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, list[float]]:
-    """The run's validation loss, validation BLEU and update count per epoch (empty where not logged)."""
+CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates")
+
+
+def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, dict[int, float]]:
+    """The run's validation loss, validation BLEU and update count by epoch (the step they are logged at; empty
+    where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
+    its last value."""
     try:
-        metrics = tracking.get_run_metrics(run.run_id, uri)
+        metrics = tracking.get_run_metrics(run.run_id, uri, keys=CURVE_KEYS)
     except tracking.TrackingError:
         metrics = {}
-    return {k: [v for _, v in metrics.get(k, [])] for k in ("valid_loss", "valid_bleu", "num_updates")}
+    return {k: dict(metrics.get(k, [])) for k in CURVE_KEYS}  # sorted by step, then by time: the last one wins
 
 
-def _progress(run: tracking.RunRecord, state: str, uri: str) -> Progress:
-    """An unfinished run's :class:`Progress`, from its per-epoch validation BLEU (an epoch logged twice, by an
-    attempt before a resume and by the resumed one, counts once: the last value)."""
-    try:
-        history = tracking.get_run_metrics(run.run_id, uri).get("valid_bleu", [])
-    except tracking.TrackingError:
-        history = []
-    by_epoch = dict(history)  # step = epoch; a later value of the same step wins
+def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]) -> Progress:
+    """An unfinished run's :class:`Progress`, from its validation BLEU by epoch (:func:`_valid_curves`)."""
     epochs = int(run.metrics.get("epoch", max(by_epoch, default=0)))
     if not by_epoch:
         return Progress(run.tags.get(SEED_TAG, ""), state, epochs, math.nan, 0)
@@ -302,7 +301,7 @@ def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
 
 
 def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: list[str], metric: str,
-           curves: dict[str, dict[str, list[float]]], extra: list[str], phased: bool = False, uri: str = "") -> Group:
+           curves: dict[str, dict[str, dict[int, float]]], extra: list[str], phased: bool = False, uri: str = "") -> Group:
     first = runs[0]
     control = first.tags.get(CONTROL_TAG) == "true"
     values = {} if control else {k: _parse(first.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in first.tags}
@@ -327,7 +326,7 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         if metric in r.metrics:
             g.valid_metric.append(r.metrics[metric])
         if state in (TrialState.RUNNING.value, TrialState.KILLED.value):
-            g.unfinished.append(_progress(r, state, uri))
+            g.unfinished.append(_progress(r, state, curves.get(r.run_id, {}).get("valid_bleu", {})))
         if state != "complete":
             continue
         seed = r.tags.get(SEED_TAG, "")
@@ -339,7 +338,7 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
                 g.len_ratio.setdefault(split, {})[seed] = r.metrics.get(f"test/{split}/len_ratio", math.nan)
                 g.precisions.setdefault(split, {})[seed] = tuple(
                     r.metrics.get(f"test/{split}/prec{n}", math.nan) for n in range(1, 5))
-        curve = curves.get(r.run_id, {})
+        curve = {k: list(by_epoch.values()) for k, by_epoch in curves.get(r.run_id, {}).items()}
         history = curve.get("valid_loss", [])
         g.epochs.append(len(history))
         warmup = int(float(r.params.get("train.warmup_updates", 0) or 0))

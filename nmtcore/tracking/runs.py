@@ -19,7 +19,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, Collection, Iterator, Mapping, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import RunTag
@@ -151,16 +151,17 @@ def get_run(run_id: str, tracking_uri: str | os.PathLike | None = None) -> RunRe
         return _record(client.get_run(run_id))
 
 
-def get_run_metrics(run_id: str,
-                    tracking_uri: str | os.PathLike | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Full metric histories of a run: ``{"valid.bleu": [(step, value), ...]}`` sorted by step.
+def get_run_metrics(run_id: str, tracking_uri: str | os.PathLike | None = None,
+                    keys: Collection[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Full metric histories of a run (of ``keys`` only, where given): ``{"valid.bleu": [(step, value), ...]}``
+    sorted by step.
 
     A step logged twice (e.g. re-run after a resume) appears twice, in logging order.
     """
     with _reader(tracking_uri) as client:
         run = client.get_run(run_id)
         out: dict[str, list[tuple[int, float]]] = {}
-        for key in sorted(run.data.metrics):
+        for key in sorted(k for k in run.data.metrics if keys is None or k in keys):
             hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
             out[key] = [(int(m.step), float(m.value)) for m in hist]
         return out
