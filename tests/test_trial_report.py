@@ -105,4 +105,77 @@ def test_a_trial_stopped_under_it_ends_its_run_killed_not_finished(tmp_path: Pat
     assert [m["epoch"] for m in reports] == [1.0]
     ended = tracking.get_run(run.run_id, uri)
     assert (ended.status, ended.tags[TRIAL_STATE_TAG]) == ("KILLED", "killed"), (ended.status, ended.tags)
-    assert "--resume continues it" in ended.tags[tracking.FAILURE_REASON_TAG]
+    assert ended.tags[tracking.FAILURE_REASON_TAG] == rb_trial.STOPPED_REASON
+
+
+def test_a_trial_the_driver_ended_first_keeps_that_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's stop, seen by the driver before the trial's process: the driver has ended the run
+    stopped early (FINISHED) by the time the training exits, and the trial leaves it so."""
+    from nmtcore import tracking
+    from nmtcore.sweep.lifecycle import TRIAL_STATE_TAG, TrialState, end_trial
+    from nmtcore.sweep.trial import TrialLaunch
+    from nmtcore.testing.sweeps import tiny_base
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    with tracking.Tracker(uri, experiment="stopped") as run:
+        run.set_tags({TRIAL_STATE_TAG: TrialState.RUNNING.value})
+    tracking.Tracker(uri, run_id=run.run_id)
+
+    def tune_report(metrics, checkpoint=None):
+        end_trial(run.run_id, TrialState.STOPPED_EARLY, uri, reason="stopped early by the scheduler at epoch 1")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(rb_trial.tune, "report", tune_report)
+    monkeypatch.setattr(rb_trial.tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(rb_trial, "all_gather", lambda value: [value])
+    monkeypatch.setattr(rb_trial.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    launch = TrialLaunch(cfg=tiny_base(tmp_path, **{"train.max_epochs": 3}), run_id=run.run_id, tracking_uri=uri,
+                         trial_key="k", trial_id="t0", test_split="test", metric="valid_bleu", threads=1,
+                         in_actor=True)
+    with pytest.raises(SystemExit):
+        rb_trial._train_loop({rb_trial.LAUNCH_KEY: launch})
+    ended = tracking.get_run(run.run_id, uri)
+    assert (ended.status, ended.tags[TRIAL_STATE_TAG]) == ("FINISHED", "stopped_early"), (ended.status, ended.tags)
+
+
+@pytest.mark.parametrize("left_by_process", ["RUNNING", "KILLED"])
+def test_the_driver_ends_a_trial_the_scheduler_stopped_as_stopped_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       left_by_process: str) -> None:
+    """Tune completes a trial the scheduler (ASHA) stopped: its run, still RUNNING or already KILLED by the trial's
+    own process, ends FINISHED and ``stopped_early`` at the epoch it reached. A trial that completed keeps its end."""
+    from nmtcore import tracking
+    from nmtcore.sweep import lifecycle
+    from nmtcore.sweep.plan import trial_key, trial_overrides
+    from nmtcore.sweep.ray_backend import callbacks as rb_callbacks
+    from nmtcore.sweep.space import SearchSpace, grid
+    from nmtcore.sweep.trial import SweepContext
+    from nmtcore.testing.sweeps import tiny_base
+    from nmtcore.tracking import schema
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    space = SearchSpace("asha", "t", "transformer", params={"train.lr": grid((1e-3, 2e-3))})
+    with tracking.Tracker(uri, experiment="asha", run_name="sweep") as parent:
+        pass
+    ctx = SweepContext(name="asha", space=space, base=tiny_base(tmp_path), base_seed=1, tracking_uri=uri,
+                       parent_run_id=parent.run_id, train_storage=str(tmp_path), scratch_dir=str(tmp_path),
+                       workers=1, cpus_per_worker=1.0, gpus_per_worker=0.0, threads_per_worker=1,
+                       controller_failure_limit=1, metric="valid_loss", test_split="test", in_actor=True)
+    monkeypatch.setattr(rb_callbacks, "remove_leaked_placement_groups", lambda: 0)  # no cluster here
+    runs = {}
+    for lr, state in ((1e-3, left_by_process), (2e-3, "complete")):
+        config = {"train.lr": lr}
+        run_id, _ = lifecycle.open_child_run(parent.run_id, trial_key(trial_overrides(space, config, 1)),
+                                             f"lr={lr} seed 1", {}, uri)
+        lifecycle.set_trial_state(run_id, lifecycle.TrialState.RUNNING, uri)
+        if state == "KILLED":
+            lifecycle.end_trial(run_id, lifecycle.TrialState.KILLED, uri, reason=rb_trial.STOPPED_REASON)
+        elif state == "complete":
+            lifecycle.end_trial(run_id, lifecycle.TrialState.COMPLETE, uri)
+        runs[lr] = run_id
+        trial = SimpleNamespace(trial_id=f"t{lr}", config=config, last_result={"epoch": 2.0})
+        rb_callbacks._SweepCallback(ctx).on_trial_complete(3, [], trial)
+    stopped, complete = (tracking.get_run(runs[lr], uri) for lr in (1e-3, 2e-3))
+    assert (stopped.status, stopped.tags[lifecycle.TRIAL_STATE_TAG]) == ("FINISHED", "stopped_early")
+    assert stopped.tags[schema.STOPPED_AT_EPOCH] == "2.0"
+    assert stopped.tags[tracking.FAILURE_REASON_TAG] == "stopped early by the scheduler at epoch 2"
+    assert (complete.status, complete.tags[lifecycle.TRIAL_STATE_TAG]) == ("FINISHED", "complete")

@@ -90,14 +90,15 @@ def set_trial_state(run_id: str, state: TrialState, tracking_uri: str | os.PathL
 
 
 def end_trial(run_id: str, state: TrialState, tracking_uri: str | os.PathLike | None = None,
-              reason: str | None = None, tags: Mapping[str, Any] | None = None) -> bool:
+              reason: str | None = None, tags: Mapping[str, Any] | None = None, only_if_running: bool = True) -> bool:
     """End a trial's run from outside the process that trained in it (the driver cleaning up after a
-    stopped, failed or interrupted trial), unless it already ended. Returns whether it was ended."""
+    stopped, failed or interrupted trial), unless it already ended (``only_if_running``). Returns whether it
+    was ended."""
     status = state.end_status
     if status is None:
         raise ValueError(f"{state} does not end a run")
     return terminate_run(run_id, status, tracking_uri, reason=reason,
-                         tags={**(tags or {}), TRIAL_STATE_TAG: state.value})
+                         tags={**(tags or {}), TRIAL_STATE_TAG: state.value}, only_if_running=only_if_running)
 
 
 def find_sweep_run(sweep: str, tracking_uri: str | os.PathLike | None = None) -> RunRecord:

@@ -14,7 +14,8 @@ from typing import Any, Callable
 from ray import tune
 
 from nmtcore import tracking
-from nmtcore.sweep.lifecycle import FAILURE_KIND_TAG, TUNE_STATUS_TAG, TrialState, end_trial, find_child_run
+from nmtcore.sweep.lifecycle import (FAILURE_KIND_TAG, TUNE_STATUS_TAG, TrialState, end_trial, find_child_run,
+                                     trial_state)
 from nmtcore.sweep.plan import SEED_KEY, trial_key, trial_overrides, trial_point
 from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress, console_line, duration
 from nmtcore.sweep.space import SearchSpace
@@ -31,8 +32,8 @@ log = logging.getLogger("nmtcore.sweep")
 class _SweepCallback(tune.Callback):
     """Keeps MLflow in step with Tune and keeps the cluster free of leaked worker reservations.
 
-    * a trial stopped by the scheduler (ASHA) leaves its child run RUNNING: end it FINISHED, tagged
-      ``stopped_early`` with the epoch it reached;
+    * a trial stopped by the scheduler (ASHA) leaves its child run RUNNING, or KILLED by its own process: end
+      it FINISHED, tagged ``stopped_early`` with the epoch it reached;
     * a trial that errored for good: end its child run FAILED with the reason;
     * before each trial starts, after each ends, and every ``pg_check_s``: remove placement groups
       whose creating actor (a Train controller of a stopped trial) is dead — nothing can ever use
@@ -60,11 +61,14 @@ class _SweepCallback(tune.Callback):
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         run = self._child(trial)
-        if run is not None and run.status == "RUNNING":
+        # Stopped by the scheduler: still RUNNING, or already KILLED by its own process (Tune's stop reaches the
+        # training as an exit; it cannot tell a scheduler's stop from a stopped sweep's)
+        if run is not None and (run.status == "RUNNING" or trial_state(run) == TrialState.KILLED.value):
             epoch = (trial.last_result or {}).get("epoch")
             end_trial(run.run_id, TrialState.STOPPED_EARLY, self.ctx.tracking_uri,
+                      reason=f"stopped early by the scheduler at epoch {'?' if epoch is None else f'{epoch:g}'}",
                       tags={schema.STOPPED_AT_EPOCH: epoch if epoch is not None else "",
-                            TUNE_STATUS_TAG: "TERMINATED"})
+                            TUNE_STATUS_TAG: "TERMINATED"}, only_if_running=False)
         self._ended(trial, "TERMINATED", run)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:

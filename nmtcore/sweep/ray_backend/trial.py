@@ -266,6 +266,8 @@ class _RayReport(Callback):
 TRIAL_PROCESS_TAG = schema.TRIAL_PROCESS
 
 
+STOPPED_REASON = "stopped before it finished (by the sweep: its scheduler, time limit or an interrupt)"
+
 LAUNCH_KEY = "launch"  # Ray Train's train_loop_config is a dict: the typed payload under one key
 
 
@@ -313,15 +315,14 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
                     tracker.set_tags({TRIAL_STATE_TAG: TrialState.FAILED.value, **kind})
             raise
         except BaseException:
-            # Stopped under the trial: Tune stopping it (its report ends the training with sys.exit(0): a time
-            # limit, an interrupt) or the worker's SIGTERM. Not a normal end, even with status 0: KILLED, as the
-            # driver ends a trial it finds still running, so --resume continues it and no estimate counts it done.
+            # Stopped under the trial: Tune stopping it (its report ends the training with sys.exit(0): the
+            # scheduler, a time limit, an interrupt) or the worker's SIGTERM. Not a normal end, even with status 0:
+            # KILLED, as the driver ends a trial it finds still running (--resume continues it, no estimate counts
+            # it done), unless the driver has already ended it (stopped early by the scheduler: it then keeps that).
             if tracker is not None:
                 with contextlib.suppress(Exception):
-                    tracker.set_tags({TRIAL_STATE_TAG: TrialState.KILLED.value,
-                                      tracking.FAILURE_REASON_TAG: "stopped before it finished (the sweep was "
-                                                                   "stopped); --resume continues it"})
-                    tracker.end("KILLED")
+                    end_trial(lc.run_id, TrialState.KILLED, lc.tracking_uri, reason=STOPPED_REASON)
+                    tracker.end(tracking.get_run(lc.run_id, lc.tracking_uri).status)  # as it stands, not FINISHED
             raise
         final = dict(reporter.last_epoch) or last_epoch_metrics(cfg)
         test = summary.test.get(lc.test_split) or next(iter(summary.test.values()), None)
