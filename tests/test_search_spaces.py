@@ -264,6 +264,29 @@ def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone
     assert both.train.max_epochs == 1 and both_baseline.train.max_epochs == 1
 
 
+def test_a_key_only_the_arms_model_has_is_refused_saying_so(tmp_path):
+    """PLM-sponsored's target BERT exists in its arms' model, not in the Transformer the study's base config (the
+    control's) is: ``--set model.tgt_bert.…`` is refused saying that, not as an unknown section; a key no model
+    has is still an unknown key."""
+    from argparse import Namespace
+
+    from nmtcore.cli.sweep import base_experiment
+    from nmtcore.config import ConfigError
+
+    space = search_spaces.get_space("ablations:plm_sponsored_loss")
+
+    def made(*sets):
+        return base_experiment(space, Namespace(smoke_test=False, data_dir=str(tmp_path), config=None,
+                                                preset="multi30k_small", set=list(sets), arms_set=[]))
+
+    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.activation_checkpointing: a key of the arms' model "
+                                          r"\(plm_sponsored\) that the study's base config \(transformer"):
+        made("model.tgt_bert.activation_checkpointing=false")
+    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.nope: unknown key"):
+        made("model.tgt_bert.nope=1")
+    assert made("model.bert.activation_checkpointing=false")[0].model.bert.activation_checkpointing is False
+
+
 def test_warm_started_studies_train_to_convergence_by_default_and_keep_the_quick_stage_by_name():
     """Every warm-started study's default budget is the patience rule (and its baseline's too); ``--budget quick``
     runs the short fixed stage under its own variant name; an unknown budget is one line naming the known."""

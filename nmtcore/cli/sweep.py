@@ -98,7 +98,7 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
     directory, the arms' budget (real runs) or the baseline's, the user's ``--set`` (which wins), then the
     arms' ``--arms-set`` (not the baseline's: its key, and the cached baseline, stay), and for the baseline the
     protocol's baseline model without BERT."""
-    from nmtcore.config import ExperimentConfig, parse_overrides, preset
+    from nmtcore.config import ConfigError, ExperimentConfig, parse_overrides, preset
 
     user = parse_overrides(args.set or [])
     arms = parse_overrides(getattr(args, "arms_set", None) or [])
@@ -125,11 +125,39 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
                                                              if data_dir else {})})
         budget = dict(space.budget)
         baseline_budget = dict(space.protocol.baseline_budget) if space.protocol is not None else {}
-    base = study.with_overrides({**budget, **user, **arms})
+    try:
+        base = study.with_overrides({**budget, **user, **arms})
+    except ConfigError as e:
+        raise ConfigError(_arms_model_only(e, study, space, {**user, **arms})) from None
     baseline = None
     if space.protocol is not None:
         baseline = study.with_overrides({**baseline_budget, **user}).with_overrides(space.protocol.control_overrides())
     return base, baseline, smoke
+
+
+def _arms_model_only(error: Exception, study: Any, space: Any, overrides: dict[str, Any]) -> str:
+    """``error`` (an override the study's base config refused) in one line; where its key is one of the model
+    that some arms switch to and the base config's model lacks (``model.tgt_bert.*`` of PLM-sponsored arms over a
+    Transformer base), that ``--set`` cannot reach it."""
+    from nmtcore.config import ConfigError
+
+    families = sorted({str(c.overrides["model.name"]) for c in space.cells() if "model.name" in c.overrides}
+                      - {study.model.name})
+    for key, value in overrides.items():
+        if not str(error).startswith(f"{key}:"):
+            continue
+        fits = []
+        for family in families:
+            try:
+                study.with_overrides({"model.name": family, key: value})
+                fits.append(family)
+            except ConfigError:
+                pass
+        if fits:
+            return (f"{key}: a key of the arms' model ({', '.join(fits)}) that the study's base config "
+                    f"({study.model.name}, its control's model) lacks; --set and --arms-set change the base config, "
+                    "so they cannot set it: the arms keep their model's value")
+    return str(error)
 
 
 def _run(study: Any, args: argparse.Namespace) -> int:
