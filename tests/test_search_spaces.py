@@ -264,27 +264,72 @@ def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone
     assert both.train.max_epochs == 1 and both_baseline.train.max_epochs == 1
 
 
-def test_a_key_only_the_arms_model_has_is_refused_saying_so(tmp_path):
+def test_a_key_only_the_arms_model_has_is_set_on_the_arms_alone(tmp_path):
     """PLM-sponsored's target BERT exists in its arms' model, not in the Transformer the study's base config (the
-    control's) is: ``--set model.tgt_bert.…`` is refused saying that, not as an unknown section; a key no model
-    has is still an unknown key."""
+    control's) is: ``--set model.tgt_bert.…`` reaches every arm (after the arm's own bundle) and not the control,
+    and the report's protocol line says so; a key no model has is still an unknown key."""
     from argparse import Namespace
 
     from nmtcore.cli.sweep import base_experiment
-    from nmtcore.config import ConfigError
+    from nmtcore.sweep.driver import describe_protocol
+    from nmtcore.sweep.plan import trial_config, validate_space
 
     space = search_spaces.get_space("ablations:plm_sponsored_loss")
 
-    def made(*sets):
+    def made(*sets, arms=()):
+        return base_experiment(space, Namespace(smoke_test=False, data_dir=str(tmp_path), config=None,
+                                                preset="multi30k_small", set=list(sets), arms_set=list(arms)))
+
+    plain = made()[0]
+    assert plain.model.name == "transformer" and made()[3] is space
+    for sets, arms in ((["model.tgt_bert.activation_checkpointing=false"], []),
+                       ([], ["model.tgt_bert.activation_checkpointing=false"])):
+        base, _, _, spaced = made(*sets, arms=arms)
+        assert base == plain and spaced.arm_overrides == {"model.tgt_bert.activation_checkpointing": False}
+        validate_space(spaced, base)
+        configs = {c.label: trial_config(base, c.overrides, tmp_path / c.label) for c in spaced.cells()}
+        assert configs["control"].model.name == "transformer" and not hasattr(configs["control"].model, "tgt_bert")
+        arms_ = [c for label, c in configs.items() if label != "control"]
+        assert len(arms_) == 7 and all(c.model.tgt_bert.activation_checkpointing is False for c in arms_)
+        assert "set on every arm but the control (--set): model.tgt_bert.activation_checkpointing=False" in \
+            describe_protocol(spaced, None, base)
+        assert spaced.describe()["arm_overrides"] == {"model.tgt_bert.activation_checkpointing": False}
+    assert all(c.model.tgt_bert.activation_checkpointing is True for c in
+               (trial_config(plain, c.overrides, tmp_path) for c in space.cells() if not c.control))
+    assert "arm_overrides" not in space.describe()  # what existing sweeps recorded stays as it was
+    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.nope: unknown key"):
+        made("model.tgt_bert.nope=1")
+    # a key of the base config's model stays in the base config (and the baseline's, through --set)
+    base, _, _, spaced = made("model.bert.activation_checkpointing=false")
+    assert base.model.bert.activation_checkpointing is False and spaced is space
+
+
+def test_a_key_of_some_arms_model_only_is_refused_and_the_users_value_wins_over_an_arms(tmp_path):
+    """``--set`` sets a key of the arms' model on every arm or on none: one that some arms' model has and the
+    others' lacks is refused naming both; where an arm sets the key itself, the user's value wins."""
+    from argparse import Namespace
+
+    from nmtcore.cli.sweep import base_experiment
+    from nmtcore.sweep.plan import trial_config
+    from nmtcore.sweep.space import SearchSpace, SpaceError, grid
+
+    def made(space, *sets):
         return base_experiment(space, Namespace(smoke_test=False, data_dir=str(tmp_path), config=None,
                                                 preset="multi30k_small", set=list(sets), arms_set=[]))
 
-    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.activation_checkpointing: a key of the arms' model "
-                                          r"\(plm_sponsored\) that the study's base config \(transformer"):
-        made("model.tgt_bert.activation_checkpointing=false")
-    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.nope: unknown key"):
-        made("model.tgt_bert.nope=1")
-    assert made("model.bert.activation_checkpointing=false")[0].model.bert.activation_checkpointing is False
+    mixed = SearchSpace("t", "mixed", None, arms={"plm": {"model.name": "plm_sponsored"},
+                                                  "fused": {"model.name": "bert_fused"}})
+    with pytest.raises(ConfigError, match=r"^model\.tgt_bert\.activation_checkpointing: a key of some arms' model "
+                                          r"\(plm_sponsored\) that the others' \(bert_fused\) lacks"):
+        made(mixed, "model.tgt_bert.activation_checkpointing=false")
+    own = SearchSpace("t", "own", "plm_sponsored",
+                      arms={"a": {"model.tgt_bert.activation_checkpointing": True}, "b": {}})
+    base, _, _, spaced = made(own, "model.tgt_bert.activation_checkpointing=false")
+    assert [trial_config(base, c.overrides, tmp_path).model.tgt_bert.activation_checkpointing
+            for c in spaced.cells()] == [False, False]
+    with pytest.raises(SpaceError, match="is varied by the study"):
+        SearchSpace("t", "v", "plm_sponsored", params={"model.tgt_bert.layers": grid([2, 4])},
+                    arm_overrides={"model.tgt_bert.layers": 2})
 
 
 def test_warm_started_studies_train_to_convergence_by_default_and_keep_the_quick_stage_by_name():

@@ -90,15 +90,17 @@ def main(study: Any, args: argparse.Namespace) -> int:
         return 2
 
 
-def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
+def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dict[str, str], Any]:
     """The arms' base experiment of a run of ``space`` as ``args`` say, the shared baseline's experiment
-    (None without a protocol), and the storage of a smoke test.
+    (None without a protocol), the storage of a smoke test, and ``space`` with the user's keys of the arms' model.
 
     In order: the preset (or ``--config``; a smoke test's tiny synthetic task), the study's defaults, the data
     directory, the arms' budget (real runs) or the baseline's, the user's ``--set`` (which wins), then the
     arms' ``--arms-set`` (not the baseline's: its key, and the cached baseline, stay), and for the baseline the
-    protocol's baseline model without BERT."""
-    from nmtcore.config import ConfigError, ExperimentConfig, parse_overrides, preset
+    protocol's baseline model without BERT. A key that the base config's model lacks and every arm's model has
+    (``model.tgt_bert.*`` of PLM-sponsored arms over a Transformer control) goes to the arms alone
+    (:meth:`~nmtcore.sweep.space.SearchSpace.with_arm_overrides`)."""
+    from nmtcore.config import ExperimentConfig, parse_overrides, preset
 
     user = parse_overrides(args.set or [])
     arms = parse_overrides(getattr(args, "arms_set", None) or [])
@@ -125,39 +127,50 @@ def base_experiment(space: Any, args: argparse.Namespace) -> tuple[Any, Any, dic
                                                              if data_dir else {})})
         budget = dict(space.budget)
         baseline_budget = dict(space.protocol.baseline_budget) if space.protocol is not None else {}
-    try:
-        base = study.with_overrides({**budget, **user, **arms})
-    except ConfigError as e:
-        raise ConfigError(_arms_model_only(e, study, space, {**user, **arms})) from None
+    base, only_arms = _base_and_arm_model_keys(study, space, budget, {**user, **arms})
+    space = space.with_arm_overrides(only_arms)
+    user = {k: v for k, v in user.items() if k not in only_arms}
     baseline = None
     if space.protocol is not None:
         baseline = study.with_overrides({**baseline_budget, **user}).with_overrides(space.protocol.control_overrides())
-    return base, baseline, smoke
+    return base, baseline, smoke, space
 
 
-def _arms_model_only(error: Exception, study: Any, space: Any, overrides: dict[str, Any]) -> str:
-    """``error`` (an override the study's base config refused) in one line; where its key is one of the model
-    that some arms switch to and the base config's model lacks (``model.tgt_bert.*`` of PLM-sponsored arms over a
-    Transformer base), that ``--set`` cannot reach it."""
+def _base_and_arm_model_keys(study: Any, space: Any, budget: dict[str, Any],
+                             overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``study`` with ``budget`` and the user's ``overrides``, less those of a key that ``study``'s model lacks
+    and every arm's model has (returned apart: they are set on the arms alone). A key that some arms' model has
+    and others' lacks, or that no model has, is refused (:class:`~nmtcore.config.ConfigError`, in one line)."""
     from nmtcore.config import ConfigError
 
-    families = sorted({str(c.overrides["model.name"]) for c in space.cells() if "model.name" in c.overrides}
-                      - {study.model.name})
-    for key, value in overrides.items():
-        if not str(error).startswith(f"{key}:"):
-            continue
-        fits = []
-        for family in families:
-            try:
-                study.with_overrides({"model.name": family, key: value})
-                fits.append(family)
-            except ConfigError:
-                pass
-        if fits:
-            return (f"{key}: a key of the arms' model ({', '.join(fits)}) that the study's base config "
-                    f"({study.model.name}, its control's model) lacks; --set and --arms-set change the base config, "
-                    "so they cannot set it: the arms keep their model's value")
-    return str(error)
+    models = {str(space.overrides(p).get("model.name", study.model.name)) for p in space.example_points()}
+    kept, only_arms = dict(overrides), {}
+    while True:
+        try:
+            return study.with_overrides({**budget, **kept}), only_arms
+        except ConfigError as e:
+            key = next((k for k in kept if str(e).startswith(f"{k}:")), None)
+            if key is None:
+                raise
+            fits = sorted(m for m in models if _has_key(study, m, key, kept[key]))
+            if not fits:
+                raise
+            if len(fits) < len(models):
+                raise ConfigError(f"{key}: a key of some arms' model ({', '.join(fits)}) that the others' "
+                                  f"({', '.join(sorted(models - set(fits)))}) lacks: --set sets a key on every arm "
+                                  "or on none") from None
+            # as the config reads it (``false`` -> False): the arms' bundles and the report carry typed values
+            only_arms[key] = study.with_overrides({"model.name": fits[0], key: kept.pop(key)}).flat()[key]
+
+
+def _has_key(study: Any, model: str, key: str, value: Any) -> bool:
+    from nmtcore.config import ConfigError
+
+    try:
+        study.with_overrides({"model.name": model, key: value})
+        return True
+    except ConfigError:
+        return False
 
 
 def _run(study: Any, args: argparse.Namespace) -> int:
@@ -172,7 +185,7 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         space = space.with_budget(args.budget)
     if args.smoke_test:
         space = space.shrunk(2)
-    base, baseline, smoke = base_experiment(space, args)
+    base, baseline, smoke, space = base_experiment(space, args)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepSettings) if hasattr(args, f.name)}
     values["name"] = args.name or f"{study.STUDY}-{space.variant}"  # the variant names a smoke test and a budget
     values["storage"] = args.storage or smoke.get("storage") or default_storage()

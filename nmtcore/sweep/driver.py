@@ -418,6 +418,9 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
     if p.warm_start and base is not None:
         stage += (f"; the schedule restarted: update 0, a fresh optimizer, warm-up {base.train.warmup_updates} "
                   f"updates to lr {base.train.lr:g}")
+    if space.arm_overrides:
+        stage += "; set on every arm but the control (--set): " + ", ".join(
+            f"{k}={v}" for k, v in sorted(space.arm_overrides.items()))
     return f"arms {start}; control arm: {'yes' if p.control else 'no'}; {stage}"
 
 

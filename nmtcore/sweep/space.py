@@ -223,6 +223,9 @@ class SearchSpace:
             with ``reference`` (a study that tunes the baseline itself).
         report_metrics: per-epoch metrics the trials log that the report shows per arm beside BLEU (their
             last epoch's value, mean over seeds): e.g. the θ study's ``valid_masked_fraction``.
+        arm_overrides: the user's overrides of keys that only the arms' model has (``--set model.tgt_bert.layers=4``
+            over a study whose control is a Transformer: :meth:`with_arm_overrides`), applied to every trial but
+            the control, last (after the arm's own bundle: the user's value wins, as ``--set`` does elsewhere).
     """
 
     study: str
@@ -244,6 +247,7 @@ class SearchSpace:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     protocol: Protocol | None = None
     report_metrics: tuple[str, ...] = ()
+    arm_overrides: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         name = self.name
@@ -257,6 +261,8 @@ class SearchSpace:
                                  f"integer), got {dom!r}")
             if key in self.fixed:
                 raise SpaceError(f"{name}: {key} is both varied and fixed")
+            if key in self.arm_overrides:
+                raise SpaceError(f"{name}: {key} is varied by the study: it cannot be set for every arm")
         for arm, overrides in self.arms.items():
             clash = set(overrides) & set(self.params)
             if clash:
@@ -293,6 +299,7 @@ class SearchSpace:
         keys = dict.fromkeys([*self.params, *self.fixed])
         for overrides in self.arms.values():
             keys.update(dict.fromkeys(overrides))
+        keys.update(dict.fromkeys(self.arm_overrides))
         return tuple(keys)
 
     def grid_size(self) -> int | None:
@@ -348,7 +355,8 @@ class SearchSpace:
         return points
 
     def overrides(self, point: Mapping[str, Any]) -> dict[str, Any]:
-        """Flat config overrides of one sampled point: fixed, then the arm's bundle, then the params."""
+        """Flat config overrides of one sampled point: fixed, then the arm's bundle, then the params, then the
+        user's :attr:`arm_overrides`."""
         out: dict[str, Any] = {}
         if self.model is not None:
             out["model.name"] = self.model
@@ -362,6 +370,7 @@ class SearchSpace:
             if key not in point:
                 raise SpaceError(f"{self.name}: sample lacks {key}")
             out[key] = point[key]
+        out.update(self.arm_overrides)
         return out
 
     def reference_point(self) -> dict[str, Any] | None:
@@ -390,6 +399,13 @@ class SearchSpace:
         if dict(self.budgets[name]) == dict(self.budget):
             return self
         return replace(self, variant=f"{self.variant}-{name}", budget=self.budgets[name])
+
+    def with_arm_overrides(self, overrides: Mapping[str, Any]) -> "SearchSpace":
+        """The same study with ``overrides`` set on every trial but the control (:attr:`arm_overrides`): keys
+        of the arms' model that the base config's model lacks, which ``--set`` cannot reach through it."""
+        if not overrides:
+            return self
+        return replace(self, arm_overrides={**self.arm_overrides, **overrides})
 
     def shrunk(self, n_trials: int = 2) -> "SearchSpace":
         """A smoke-test version with at most ``n_trials`` configurations: the first grid dimension keeps
@@ -436,4 +452,5 @@ class SearchSpace:
                     "baseline_budget": dict(self.protocol.baseline_budget)},
                 "plot": plot, "description": self.description, "citation": self.citation,
                 "budget": dict(self.budget), "budget_name": self.budget_name, "defaults": dict(self.defaults),
-                "report_metrics": list(self.report_metrics)}
+                "report_metrics": list(self.report_metrics),
+                **({"arm_overrides": dict(self.arm_overrides)} if self.arm_overrides else {})}
