@@ -35,7 +35,7 @@ def test_trials_start_in_order_as_slots_free():
 
 
 def test_a_run_costs_its_epochs_of_training_and_validation_then_its_tests():
-    speed = Speed(train_tokens_per_s=100.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    speed = Speed(train_tokens_per_s=100.0, decode_sentences_per_s=10.0, threads=1)
     cost = run_cost("arm", 3, "the budget's fixed epochs", speed, tokens=1000, valid_sentences=50, test_sentences=20)
     assert cost.epoch_s == pytest.approx(1000 / 100 + 50 / 10)
     assert cost.end_s == pytest.approx(2.0)
@@ -122,11 +122,36 @@ def test_the_probe_measures_this_machine_and_leaves_the_threads_and_cache_alone(
     speed = probe(cfg, data, threads=1)
     assert torch.get_num_threads() == 2
     assert speed.train_tokens_per_s > 0 and speed.decode_sentences_per_s > 0 and speed.threads == 1
-    assert speed.bert_sentences_per_s is not None and speed.bert_sentences_per_s > 0
     after = sorted(p.name for p in (cfg.data.resolved_cache_dir() / "bert_features").glob("*")) \
         if (cfg.data.resolved_cache_dir() / "bert_features").is_dir() else []
     assert after == before  # the probe's features went to a temporary cache
-    assert probe(tiny_experiment(tmp_path), data, threads=1).bert_sentences_per_s is None  # no BERT, no features
+    assert probe(tiny_experiment(tmp_path), data, threads=1).train_tokens_per_s > 0  # no BERT
+
+
+def test_the_probe_trains_on_features_of_their_shape_without_running_bert(tmp_path, monkeypatch):
+    """The probe's model reads cached features as a trial's does, but they are random values of the shape BERT's
+    have (BERT does not run over the probe's sentences); outside the probe's temporary folder, features are
+    BERT's again."""
+    from nmtcore.bert.features import FeatureCache
+    from nmtcore.bert.layer import BertLayer, bert_layers, synthetic_features
+    from nmtcore.data import prepare_data
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": tiny_bert_dir()})
+    data = prepare_data(cfg.data)
+    built, get_or_build = [], FeatureCache.get_or_build
+    monkeypatch.setattr(FeatureCache, "get_or_build", lambda self, key, inputs, compute, **kw: built.append(
+        compute.__name__) or get_or_build(self, key, inputs, compute, **kw))
+    assert probe(cfg, data, threads=1).train_tokens_per_s > 0
+    assert built and set(built) == {"_random_features"}
+    built.clear()
+    with synthetic_features(tmp_path / "elsewhere"):
+        trainer = build_trainer(cfg.with_overrides({"data.cache_dir": str(tmp_path / "real-cache")}))
+    assert built and set(built) == {"_compute_features"}
+    layer = bert_layers(trainer.model)[0]
+    assert isinstance(layer, BertLayer)
+    ids = torch.randint(1, 5, (3, 7))
+    mask, segments = torch.zeros(3, 7, dtype=torch.bool), torch.zeros(3, 7, dtype=torch.long)
+    assert layer._random_features(ids, mask, segments).shape == layer._compute_features(ids, mask, segments).shape
 
 
 def test_checkpointed_epochs_reads_the_last_saved_epoch(tmp_path):
@@ -216,7 +241,7 @@ def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch)
     from nmtcore.sweep.space import Protocol, SearchSpace, grid
 
     probed: list[str] = []
-    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, threads=1)
     monkeypatch.setattr(cost, "probe", lambda cfg, data, threads: probed.append(
         f"{cfg.model.name} L{cfg.model.bert.layers}" if cfg.model.bert.enabled else cfg.model.name) or speed)
     # (no model.bert.pretrain_corpus: made, the BERT names the corpus it would be pretrained on, as the main
@@ -271,7 +296,7 @@ def test_a_resumed_sweep_is_estimated_by_what_is_left_of_it(tmp_path, monkeypatc
     from nmtcore.sweep.space import SearchSpace, grid
     from nmtcore.tracking import schema
 
-    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, bert_sentences_per_s=None, threads=1)
+    speed = Speed(train_tokens_per_s=1000.0, decode_sentences_per_s=10.0, threads=1)
     monkeypatch.setattr(cost, "probe", lambda cfg, data, threads: speed)
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     base = tiny_experiment(tmp_path, **{"train.max_epochs": 4})

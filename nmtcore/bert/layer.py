@@ -12,11 +12,14 @@ never used. :class:`BertKD` is a frozen BERT teacher plus the projection of one 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -246,14 +249,22 @@ class BertLayer(nn.Module):
                           max_length=self.max_length)
 
     def attach_features(self, cache: "FeatureCache", split_name: str, inputs: BertInputs) -> None:
-        """Load (or compute once) the cached features of ``inputs`` and attach them to it."""
+        """Load (or compute once) the cached features of ``inputs`` and attach them to it (random ones where
+        ``cache`` is under the folder of an active :func:`synthetic_features`)."""
         key = self.features_key(inputs)
-        inputs.features = cache.get_or_build(key, inputs, self._compute_features,
+        root = _SYNTHETIC_ROOT.get()
+        compute = (self._random_features if root is not None and cache.root.resolve().is_relative_to(root)
+                   else self._compute_features)
+        inputs.features = cache.get_or_build(key, inputs, compute,
                                              describe={"bert": str(self.resolved.spec), "path": str(self.resolved.path),
                                                        "split": split_name})
 
     def _compute_features(self, ids: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
         return self._compute_states(ids, mask, segments, self.layers)
+
+    def _random_features(self, ids: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
+        """What :meth:`_compute_features` returns, in shape only: (B, Tb, K, H) standard normal values."""
+        return torch.randn(*ids.shape, len(self.layers), self.hidden_size)
 
     @torch.no_grad()
     def _compute_states(self, ids: Tensor, mask: Tensor, segments: Tensor, layers: Sequence[int]) -> Tensor:
@@ -423,3 +434,20 @@ def prepare_bert_inputs(model: nn.Module, data: PreparedData, use_cache: bool | 
         log.info("BERT feature cache off (%s): BERT runs every step", why)
     bl._prepared = weakref.ref(data)
     return bl
+
+
+_SYNTHETIC_ROOT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("nmtcore_synthetic_features", default=None)
+
+
+@contextlib.contextmanager
+def synthetic_features(root: str | Path) -> Iterator[None]:
+    """Within it, a frozen BERT's features that a feature cache under ``root`` lacks are random values of the
+    right shape, not BERT's states: for a speed probe (:func:`nmtcore.sweep.cost.probe`), whose model reads
+    cached features the same way whatever their values, and which then spends no time running BERT over the
+    sentences it trains on. Only caches under ``root`` (the probe's temporary folder) are filled so, so no run
+    that trains can read them."""
+    token = _SYNTHETIC_ROOT.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _SYNTHETIC_ROOT.reset(token)

@@ -4,7 +4,8 @@ The estimate multiplies measured speeds by counted work:
 
 - **speeds**, measured here and now by a probe (:func:`probe`): a few training updates of every distinct trial
   model (and of the baseline) on real batches, at the threads a trial gets; a greedy decode of validation
-  sentences (every epoch's validation BLEU); the frozen BERT's feature extraction (sentences per second);
+  sentences (every epoch's validation BLEU); the frozen BERT's feature extraction (sentences per second,
+  :func:`feature_rate`, for the features the cache lacks);
 - **work**, counted from the plan: target tokens per epoch, validation and test sentences, the sentences whose
   BERT features are not cached yet, the epochs each run trains.
 
@@ -64,7 +65,6 @@ class Speed:
 
     train_tokens_per_s: float  # target tokens (with EOS) through forward, backward and the optimizer step
     decode_sentences_per_s: float  # greedy decoding, as every epoch's validation BLEU
-    bert_sentences_per_s: float | None  # frozen BERT features computed (None: the model reads no BERT features)
     threads: int
 
 
@@ -255,10 +255,12 @@ def probe_data(data: PreparedData, cfg: ExperimentConfig, cache_dir: Path) -> Pr
 
 def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
     """Measure ``cfg``'s speeds here (:class:`Speed`): its trainer built on a small copy of ``data``
-    (:func:`probe_data`; a frozen BERT computes that copy's features, timed), ``PROBE_STEPS`` updates timed after
-    ``PROBE_WARMUP``, then ``PROBE_DECODE`` validation sentences decoded greedily. ``cfg``'s BERT must exist
-    (:func:`nmtcore.bert.ensure_bert`). Restores torch's thread count."""
-    from nmtcore.bert.layer import bert_layers
+    (:func:`probe_data`), ``PROBE_STEPS`` updates timed after ``PROBE_WARMUP``, then ``PROBE_DECODE`` validation
+    sentences decoded greedily. A frozen BERT's cached features are random values of their shape there
+    (:func:`~nmtcore.bert.layer.synthetic_features`: the model reads them as it reads real ones, and the probe
+    does not run BERT over its sentences; what building the real ones costs, :func:`feature_rate` times).
+    ``cfg``'s BERT must exist (:func:`nmtcore.bert.ensure_bert`). Restores torch's thread count."""
+    from nmtcore.bert.layer import synthetic_features
     from nmtcore.engine import build_trainer
 
     before = torch.get_num_threads()
@@ -267,13 +269,8 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
             small = probe_data(data, cfg, Path(tmp))
             pc = cfg.with_overrides({"train.num_threads": threads, "output_dir": tmp, "train.save_dir": "",
                                      "train.init_from": "", "train.max_updates": 0})
-            trainer = build_trainer(pc, small)
-            layers = bert_layers(trainer.model)
-            reads_features = bool(layers) and layers[0].cache_wanted
-            built = [s.bert.features for s in small.splits.values()
-                     if s.bert is not None and getattr(s.bert.features, "build_s", None)]
-            bert_rate = (sum(len(f) for f in built) / sum(f.build_s for f in built)
-                         if reads_features and built else None)
+            with synthetic_features(tmp):
+                trainer = build_trainer(pc, small)
             batches: list[Any] = []
             for epoch in range(1, 100):
                 batches += list(trainer.train_batches(epoch=epoch))
@@ -295,7 +292,7 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
             decode_s = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)
-    return Speed(tokens / train_s, n / decode_s, bert_rate, threads)
+    return Speed(tokens / train_s, n / decode_s, threads)
 
 
 def machine_line() -> str:
