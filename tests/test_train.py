@@ -231,3 +231,23 @@ def test_prefetched_training_batches_are_the_loops_own(tmp_path):
         assert len(runs[depth]) == len(runs[0])
         for a, b in zip(runs[0], runs[depth]):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out)
+
+
+def test_a_slow_first_run_prints_its_first_line_before_the_log_interval(tmp_path, monkeypatch, caplog):
+    """Where ``train.log_interval`` updates take longer than FIRST_LINE_S, the run's first console line comes
+    after FIRST_LINE_S of training (one line, once per process); the logged metrics keep the interval."""
+    import logging
+
+    from nmtcore.engine import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "FIRST_LINE_S", 0.0)
+    rec = Recorder()
+    trainer = make_trainer(tiny_experiment(tmp_path, **{"train.log_interval": 10_000, "train.max_epochs": 2}),
+                           callbacks=[rec])
+    monkeypatch.setattr(trainer_module, "_progress", lambda *a: None)  # as in a sweep: no progress bar
+    with caplog.at_level(logging.INFO, logger="nmtcore"):
+        trainer.train_epoch(1)
+        trainer.train_epoch(2)
+    lines = [r.getMessage() for r in caplog.records if " tok/s" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("epoch 1 update 1 loss "), lines
+    assert rec.logs == []  # no metrics logged outside the interval

@@ -70,6 +70,9 @@ log = logging.getLogger("nmtcore.engine")
 # A loss (bits per token) past which its perplexity 2**loss is no float64 (2**1024 overflows): a run this far
 # gone has diverged, finite or not. Not a tuned threshold: the figure the run reports stops existing.
 DIVERGED_BITS = 1023.0
+# A run's first console line comes after this many seconds of training if train.log_interval updates take longer
+# (a slow first run shows it is training well before update 50); later lines keep the interval.
+FIRST_LINE_S = 20.0
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -136,6 +139,7 @@ class Trainer:
         prepare_bert_inputs(self.model, data)
         check_kd(cfg.train, self.model)
         self.callbacks = list(callbacks)
+        self._said_training = False  # whether this process's training has printed a line (FIRST_LINE_S)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.ddp_model: torch.nn.Module = self.model
@@ -348,8 +352,13 @@ class Trainer:
                     log.info("epoch %d update %d loss %.3f lr %.2e %.0f tok/s", epoch, self.state.num_updates,
                              metrics["train_loss"], stats["lr"], metrics["train_tokens_per_s"])
                 last_log = time.perf_counter()
+                self._said_training = True
                 for cb in self.callbacks:
                     cb.on_log(self, metrics)
+            elif bar is None and not self._said_training and elapsed >= FIRST_LINE_S:
+                self._said_training = True  # the console only: the logged metrics keep the interval's steps
+                log.info("epoch %d update %d loss %.3f lr %.2e %.0f tok/s", epoch, self.state.num_updates,
+                         loss_sum / n_tokens / math.log(2), stats["lr"], n_tokens / elapsed)
             if tc.max_updates and self.state.num_updates >= tc.max_updates:
                 break
         if pending and not (tc.max_updates and self.state.num_updates >= tc.max_updates):
