@@ -152,25 +152,26 @@ def _base_and_arm_model_keys(study: Any, space: Any, budget: dict[str, Any],
             key = next((k for k in kept if str(e).startswith(f"{k}:")), None)
             if key is None:
                 raise
-            fits = sorted(m for m in models if _has_key(study, m, key, kept[key]))
-            if not fits:
+            read = {m: v for m in models for v in _read_as(study, m, key, kept[key])}
+            if not read:
                 raise
-            if len(fits) < len(models):
-                raise ConfigError(f"{key}: a key of some arms' model ({', '.join(fits)}) that the others' "
-                                  f"({', '.join(sorted(models - set(fits)))}) lacks: --set sets a key on every arm "
+            if len(read) < len(models):
+                raise ConfigError(f"{key}: a key of some arms' model ({', '.join(sorted(read))}) that the others' "
+                                  f"({', '.join(sorted(models - set(read)))}) lacks: --set sets a key on every arm "
                                   "or on none") from None
             # as the config reads it (``false`` -> False): the arms' bundles and the report carry typed values
-            only_arms[key] = study.with_overrides({"model.name": fits[0], key: kept.pop(key)}).flat()[key]
+            only_arms[key] = read[min(read)]
+            del kept[key]
 
 
-def _has_key(study: Any, model: str, key: str, value: Any) -> bool:
+def _read_as(study: Any, model: str, key: str, value: Any) -> tuple[Any, ...]:
+    """``(value as model's config reads it,)`` where ``model`` has ``key``, else ``()``."""
     from nmtcore.config import ConfigError
 
     try:
-        study.with_overrides({"model.name": model, key: value})
-        return True
+        return (study.with_overrides({"model.name": model, key: value}).flat()[key],)
     except ConfigError:
-        return False
+        return ()
 
 
 def _run(study: Any, args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ log = logging.getLogger("nmtcore.engine")
 # gone has diverged, finite or not. Not a tuned threshold: the figure the run reports stops existing.
 DIVERGED_BITS = 1023.0
 # A run's first console line comes after this many seconds of training if train.log_interval updates take longer
-# (a slow first run shows it is training well before update 50); later lines keep the interval.
+# (a slow first run shows it is training well before the interval's first line); later lines keep the interval.
 FIRST_LINE_S = 20.0
 
 
@@ -345,20 +345,18 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss_sum'] / max(stats['n_tokens'], 1) / math.log(2):.3f}",
                                 tok_s=f"{n_tokens / elapsed:.0f}", lr=f"{stats['lr']:.2e}", refresh=False)
-            if self.state.num_updates % tc.log_interval == 0:
+            interval = self.state.num_updates % tc.log_interval == 0
+            if interval or (bar is None and not self._said_training and elapsed >= FIRST_LINE_S):
                 metrics = {"train_loss": loss_sum / n_tokens / math.log(2), "lr": stats["lr"],
                            "train_tokens_per_s": n_tokens / elapsed, "num_updates": self.state.num_updates}
                 if bar is None and time.perf_counter() - last_log > 0:
                     log.info("epoch %d update %d loss %.3f lr %.2e %.0f tok/s", epoch, self.state.num_updates,
                              metrics["train_loss"], stats["lr"], metrics["train_tokens_per_s"])
-                last_log = time.perf_counter()
                 self._said_training = True
-                for cb in self.callbacks:
-                    cb.on_log(self, metrics)
-            elif bar is None and not self._said_training and elapsed >= FIRST_LINE_S:
-                self._said_training = True  # the console only: the logged metrics keep the interval's steps
-                log.info("epoch %d update %d loss %.3f lr %.2e %.0f tok/s", epoch, self.state.num_updates,
-                         loss_sum / n_tokens / math.log(2), stats["lr"], n_tokens / elapsed)
+                if interval:  # an early first line is the console's only: the logged metrics keep the interval
+                    last_log = time.perf_counter()
+                    for cb in self.callbacks:
+                        cb.on_log(self, metrics)
             if tc.max_updates and self.state.num_updates >= tc.max_updates:
                 break
         if pending and not (tc.max_updates and self.state.num_updates >= tc.max_updates):
