@@ -37,10 +37,11 @@ control an average of its last epochs: set ``train.average_last=1`` with it (the
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import FROM_SCRATCH, MINILM, SCRATCH, SCRATCH_BUDGETS, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import (FROM_SCRATCH, MINILM, MULTI30K_TESTS, SCRATCH, SCRATCH_BUDGETS, STAGE,
+                                     STAGE_BUDGETS, WARM_START)
 
 STUDY = "ablations"
-DEFAULTS = MINILM
+DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 # BERT-JAM's three phases on a CPU budget (see the module docstring). The smoke-sized version is the study's
 # default (smoke tests keep defaults, not budgets); real runs take the budget, which overrides it.
 BERT_JAM_SMOKE = {"train.phase_scale": 0.05, "train.max_epochs": 4, "train.average_last": 2, "train.patience": 1}

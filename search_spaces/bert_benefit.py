@@ -5,10 +5,10 @@ Evaluated on both Multi30k test sets; run with ``--seeds 3`` for a test across s
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import MINILM, QUICK_STAGE, STAGE, WARM_START
+from search_spaces.protocols import MINILM, MULTI30K_TESTS, QUICK_STAGE, STAGE, WARM_START
 
 STUDY = "bert_benefit"
-DEFAULTS = {**MINILM, "data.test_splits": ["test_2016_flickr", "test_2017_flickr"]}
+DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 BUDGETS = {"converged": STAGE, "quick": {**QUICK_STAGE, "train.max_epochs": 5}}  # quick: its earlier 5 epochs
 
 SPACES = {

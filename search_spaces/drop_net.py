@@ -2,12 +2,12 @@
 through only its BERT-attention or only its encoder-attention branch instead of their average."""
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
-from search_spaces.protocols import MINILM, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import MINILM, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "drop_net"
 MODEL = "bert_fused"
 KEY = "model.p_net"
-DEFAULTS = MINILM
+DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 
 SPACES = {
     "grid": SearchSpace(

@@ -9,11 +9,12 @@ control, a Transformer without a teacher, must train without KD). The paper's ow
 """
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, uniform
-from search_spaces.protocols import FROM_SCRATCH, MINILM, SCRATCH, SCRATCH_BUDGETS, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import (FROM_SCRATCH, MINILM, MULTI30K_TESTS, SCRATCH, SCRATCH_BUDGETS, STAGE,
+                                     STAGE_BUDGETS, WARM_START)
 
 STUDY = "kd_alpha"
 KEY = "train.kd_alpha"
-DEFAULTS = MINILM
+DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 # α = 1 (no KD) is the control arm: a teacher built and not used is refused for the baseline+KD Transformer.
 _KD_GRID = grid((0.0, 0.2, 0.4, 0.6, 0.8, 0.9))
 # PLM-sponsored (Eq. 5, α = 0.9 in the paper): KEY is the weight of the NMT term (the public code's α weighs

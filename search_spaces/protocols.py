@@ -26,6 +26,9 @@ from nmtcore.sweep.space import Protocol
 
 # The BERT a study uses unless the user sets another: the packaged, offline all-MiniLM-L6-v2.
 MINILM = {"model.bert.name": "minilm"}
+# Multi30k's two Flickr test sets, every Multi30k study's: a Δ read off one 1000-sentence set can be that set's (a
+# study on other data sets its own test splits over this).
+MULTI30K_TESTS = {"data.test_splits": ["test_2016_flickr", "test_2017_flickr"]}
 # The stopping rule every converged budget uses: 3 epochs in a row without a gain of 0.1 greedy validation BLEU nor a
 # new lowest validation loss since the warm-up (the loss guard: greedy BLEU alone stopped runs still learning,
 # docs/convergence.md).

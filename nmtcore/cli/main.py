@@ -1,4 +1,4 @@
-"""``nmtcore`` command line: train, translate, evaluate, report, export / import, lengths, bert-pretrain.
+"""``nmtcore`` command line: train, translate, evaluate, report, export / import, lengths, retest, bert-pretrain.
 
 Every error a user can cause (bad config key, missing data, corrupt checkpoint...) ends as one line on
 stderr and exit status 2; tracebacks are for bugs.
@@ -164,6 +164,16 @@ def cmd_lengths(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retest(args: argparse.Namespace) -> int:
+    """``nmtcore retest``: a sweep's complete trials decoded on test splits it did not test, scored into its runs."""
+    from nmtcore.sweep import retest
+
+    done = retest.retest_sweep(args.sweep, args.splits.split(","), args.tracking_uri, again=args.again)
+    print("decoded: " + ", ".join(f"{split} {n} trial(s)" for split, n in done.items())
+          + f"; nmtcore report --sweep {args.sweep} now tests every arm on them")
+    return 0
+
+
 def cmd_bert_pretrain(args: argparse.Namespace) -> int:
     """``nmtcore bert-pretrain``: masked-LM pretraining of a BERT of any size on one side of a corpus, cached."""
     from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
@@ -298,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples")
     ln.add_argument("--no-log", action="store_true", help="do not attach the result to the parent run")
     ln.set_defaults(func=cmd_lengths)
+
+    rt = sub.add_parser("retest", help="a sweep's complete trials decoded on test splits it did not test (each "
+                                       "trial's tested weights, its own decoding), scored into its runs for report")
+    rt.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    rt.add_argument("--splits", required=True, help="comma list of test splits, e.g. test_2017_flickr")
+    rt.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    rt.add_argument("--again", action="store_true", help="decode trials that have scores on these splits again "
+                                                         "(the new scores replace theirs)")
+    rt.set_defaults(func=cmd_retest)
 
     bp = sub.add_parser("bert-pretrain", help="masked-LM pretraining of a BERT of any size L x H on one side of a "
                                               "corpus (cached; resolves as pretrained-here:L<L>-H<H>:<corpus>:<lang>)")

@@ -66,12 +66,16 @@ def run_experiment(cfg: ExperimentConfig, callbacks: Sequence[Callback] = (), re
         wall = time.perf_counter() - t0
         path = hyp_dir / f"{name}.{cfg.data.tgt_lang}"
         path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        b = bleu.corpus_bleu(hyps, split.raw_tgt)
-        summary.test[name] = TestScore(bleu=b.score, chrf=bleu.corpus_chrf(hyps, split.raw_tgt).score,
-                                       signature=b.signature, hyp_path=str(path), decode_wall_s=wall,
-                                       sentences_per_s=len(hyps) / wall if wall > 0 else 0.0, bp=b.bp,
-                                       len_ratio=b.len_ratio,
-                                       precisions=b.precisions)
+        summary.test[name] = score_test(hyps, list(split.raw_tgt), path, wall)
     for cb in callbacks:
         cb.on_train_end(trainer, summary)
     return summary
+
+
+def score_test(hyps: list[str], refs: list[str], hyp_path: Path, decode_wall_s: float) -> TestScore:
+    """A test split's decode scored: sacreBLEU BLEU (its brevity penalty, length ratio and precisions) and chrF."""
+    b = bleu.corpus_bleu(hyps, refs)
+    return TestScore(bleu=b.score, chrf=bleu.corpus_chrf(hyps, refs).score, signature=b.signature,
+                     hyp_path=str(hyp_path), decode_wall_s=decode_wall_s,
+                     sentences_per_s=len(hyps) / decode_wall_s if decode_wall_s > 0 else 0.0, bp=b.bp,
+                     len_ratio=b.len_ratio, precisions=b.precisions)

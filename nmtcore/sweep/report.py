@@ -157,6 +157,9 @@ def render_markdown(report: SweepReport) -> str:
         head += [f"Pooled over the sweeps {', '.join(f'`{n}`' for n in report.pooled)}: their runs of the same "
                  "configuration are one row, each seed once (the parent run above is the first sweep's). Each "
                  "sweep's own report has its cost estimate and time split.", ""]
+    if report.added_test_splits:
+        head += [f"Decoded after the sweep by `nmtcore retest`: {', '.join(report.added_test_splits)} (each trial's "
+                 "tested weights with its own decoding settings, as its trial decoded its test sets).", ""]
     if report.reused():
         head += ["Trained before, copied into this sweep, not trained again (the same config, seed, code, data and "
                  "starting weights; their cost columns are the original runs'): " + "; ".join(report.reused()) + ".",
@@ -264,7 +267,8 @@ def make_report(sweep: str, tracking_uri: str | os.PathLike | None = None, out_d
 def _to_json(report: SweepReport) -> dict[str, Any]:
     return {"sweep": report.sweep, "parent_run_id": report.parent_run_id, "study": report.study,
             "space": report.space, "metric": report.metric, "test_splits": report.test_splits,
-            "protocol": report.protocol, "reference": report.reference.label if report.reference else None,
+            "added_test_splits": report.added_test_splits, "protocol": report.protocol,
+            "reference": report.reference.label if report.reference else None,
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,

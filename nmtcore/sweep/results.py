@@ -138,6 +138,7 @@ class SweepReport:
     estimate: dict[str, Any] | None = None  # what the sweep estimated before training (``estimate.json``)
     time_split: list[dict[str, Any]] = field(default_factory=list)  # what each session took (``time_split.json``)
     pooled: list[str] = field(default_factory=list)  # the sweeps whose runs a pooled report joins (empty: one sweep)
+    added_test_splits: list[str] = field(default_factory=list)  # of test_splits, those decoded after the sweep
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -203,13 +204,14 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     records = [schema.SweepTags.from_tags(p.tags, default_name=name) for p, name in zip(parents, names)]
     parent, recorded = parents[0], records[0]
     for other in records[1:]:
-        for what in ("study", "varied_keys", "test_splits", "protocol"):
+        for what in ("study", "varied_keys", "all_test_splits", "protocol"):
             if getattr(other, what) != getattr(recorded, what):
+                words = "test splits" if what == "all_test_splits" else what.replace("_", " ")
                 raise tracking.TrackingError(
-                    f"cannot pool sweeps {recorded.name!r} and {other.name!r}: their {what.replace('_', ' ')} differ "
+                    f"cannot pool sweeps {recorded.name!r} and {other.name!r}: their {words} differ "
                     f"({getattr(recorded, what)!r} against {getattr(other, what)!r})")
     space = recorded.space_description
-    varied, splits = list(recorded.varied_keys), list(recorded.test_splits)
+    varied, splits = list(recorded.varied_keys), list(recorded.all_test_splits)
     metric = space.get("metric", "valid_bleu")
     warnings: list[str] = []
     by_key: dict[str, list[tracking.RunRecord]] = {}
@@ -252,6 +254,13 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         if g.still_improving:
             warnings.append(f"{g.label}: validation loss still falling or validation BLEU still rising at the last "
                             f"epoch in {g.still_improving} run(s): it stopped before it converged")
+    added = list(dict.fromkeys(s for r in records for s in r.added_test_splits))
+    for split in added:  # trials that completed after ``nmtcore retest`` ran have no score on its sets
+        missing = [r.run_name or r.run_id for g in groups for r in g.runs
+                   if trial_state(r) == "complete" and f"test/{split}/bleu" not in r.metrics]
+        if missing:
+            warnings.append(f"{split} (added by nmtcore retest): {len(missing)} complete trial(s) not decoded on it "
+                            f"({', '.join(missing)}); run `nmtcore retest --splits {split}` again")
     flags = [r.baseline_converged for r in records]  # pooled: any sweep's False, else any unknown, else True
     converged = False if False in flags else (None if None in flags else True)
     if converged is False:
@@ -263,7 +272,7 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
     return SweepReport(sweep=" + ".join(r.name for r in records), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=recorded.study, space=space, varied_keys=varied, metric=metric,
-                       test_splits=splits, protocol=recorded.protocol, groups=groups,
+                       test_splits=splits, added_test_splits=added, protocol=recorded.protocol, groups=groups,
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate,
                        time_split=timing.read(parent.run_id, uri) if len(parents) == 1 else [],

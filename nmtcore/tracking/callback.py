@@ -20,6 +20,7 @@ from nmtcore.tracking.store import Tracker
 if TYPE_CHECKING:
     from nmtcore.config import ExperimentConfig
     from nmtcore.engine import RunSummary, Trainer
+    from nmtcore.engine.summary import TestScore
 
 STOPPED_BY_TAG = schema.STOPPED_BY
 STOP_METRIC_TAG = schema.STOP_METRIC
@@ -43,6 +44,14 @@ def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
         tags[schema.BERT_QUALITY] = f"{q.figure:.4f}"
         tags[schema.BERT_QUALITY_DETAIL] = q.describe()
     return tags
+
+
+def test_metrics(split: str, scores: "TestScore") -> dict[str, float]:
+    """A test split's scores as the run's metrics (``test/<split>/...``), what a sweep's report reads."""
+    return {f"test/{split}/bleu": scores.bleu, f"test/{split}/chrf": scores.chrf, f"test/{split}/bp": scores.bp,
+            f"test/{split}/len_ratio": scores.len_ratio,
+            **{f"test/{split}/prec{n}": p for n, p in enumerate(scores.precisions, 1)},
+            f"test/{split}/sentences_per_s": scores.sentences_per_s}
 
 
 class TrackingCallback(Callback):
@@ -86,12 +95,7 @@ class TrackingCallback(Callback):
     def on_train_end(self, trainer: "Trainer", summary: "RunSummary") -> None:
         final: dict[str, float] = {}
         for split, scores in summary.test.items():
-            final[f"test/{split}/bleu"] = scores.bleu
-            final[f"test/{split}/chrf"] = scores.chrf
-            final[f"test/{split}/bp"] = scores.bp
-            final[f"test/{split}/len_ratio"] = scores.len_ratio
-            final.update({f"test/{split}/prec{n}": p for n, p in enumerate(scores.precisions, 1)})
-            final[f"test/{split}/sentences_per_s"] = scores.sentences_per_s
+            final.update(test_metrics(split, scores))
             self.tracker.log_artifact(scores.hyp_path, artifact_path="hypotheses")
             self.tracker.set_tags({schema.bleu_signature(split): scores.signature})
         figures = {"parameters": summary.parameters, "trainable_parameters": summary.trainable_parameters,

@@ -15,6 +15,7 @@ import socket
 import sqlite3
 import tempfile
 import threading
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -22,9 +23,9 @@ from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping, TypeVar
 
 from mlflow import MlflowClient
-from mlflow.entities import RunTag
+from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_TAG_VAL_LENGTH
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_TAG_VAL_LENGTH
 
 from nmtcore.tracking import schema
 from nmtcore.tracking.errors import TrackingError, one_line, truncate
@@ -230,6 +231,19 @@ def set_run_tags(run_id: str, tags: Mapping[str, Any], tracking_uri: str | os.Pa
     with _reader(tracking_uri) as client:
         client.log_batch(run_id, tags=[RunTag(k, truncate(tag_value(v), MAX_TAG_VAL_LENGTH))
                                        for k, v in tags.items()], synchronous=True)
+
+
+def log_run_metrics(run_id: str, metrics: Mapping[str, float], step: int,
+                    tracking_uri: str | os.PathLike | None = None) -> None:
+    """Log metrics at ``step`` in any run by id, without touching its status (test sets decoded after a sweep)."""
+    now = int(time.time() * 1000)
+    entities = []
+    for key, value in metrics.items():
+        _check_key(key)
+        entities.append(Metric(key, float(value), now, int(step)))
+    with _reader(tracking_uri) as client:
+        for batch in _chunks(entities, MAX_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def log_run_artifacts(run_id: str, paths: list[str | os.PathLike], artifact_path: str | None = None,

@@ -75,6 +75,10 @@ SEARCH = "nmtcore.search"
 SPACE_JSON = "nmtcore.space_json"
 TEST_SPLIT = "nmtcore.test_split"  # the first test split (older stores have only this one)
 TEST_SPLITS = "nmtcore.test_splits"  # comma-separated
+# Test sets decoded after the sweep by ``nmtcore retest`` (comma-separated). The sweep itself never writes it, so a
+# resumed sweep, which sets its tags again, keeps it.
+TEST_SPLITS_ADDED = "nmtcore.test_splits_added"
+RETESTED_PREFIX = "nmtcore.retested."  # + a split: on a trial's run, when and with which code it was decoded later
 EXPERIMENT_PATH = "nmtcore.experiment_path"
 PROTOCOL = "nmtcore.protocol"
 LEAKED_PLACEMENT_GROUPS_REMOVED = "nmtcore.leaked_placement_groups_removed"
@@ -135,6 +139,12 @@ class SweepTags:
     baseline_run_id: str = ""
     baseline_converged: bool | None = None
     baseline_valid_losses: tuple[float, ...] = ()
+    added_test_splits: tuple[str, ...] = ()  # decoded after the sweep (``nmtcore retest``); not in :meth:`to_tags`
+
+    @property
+    def all_test_splits(self) -> tuple[str, ...]:
+        """The sweep's own test sets, then those ``nmtcore retest`` added."""
+        return tuple(dict.fromkeys(self.test_splits + self.added_test_splits))
 
     @property
     def space_description(self) -> dict[str, Any]:
@@ -166,7 +176,8 @@ class SweepTags:
                    experiment_path=tags.get(EXPERIMENT_PATH, ""), protocol=tags.get(PROTOCOL, ""),
                    baseline_key=tags.get(BASELINE_KEY, ""), baseline_run_id=tags.get(BASELINE_RUN_ID, ""),
                    baseline_converged=_flag(tags.get(BASELINE_CONVERGED)),
-                   baseline_valid_losses=tuple(json.loads(tags.get(BASELINE_VALID_LOSSES) or "[]")))
+                   baseline_valid_losses=tuple(json.loads(tags.get(BASELINE_VALID_LOSSES) or "[]")),
+                   added_test_splits=_csv(tags.get(TEST_SPLITS_ADDED)))
 
 
 @dataclass(frozen=True)
