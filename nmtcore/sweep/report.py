@@ -184,10 +184,44 @@ def render_markdown(report: SweepReport) -> str:
         cols = list(part[0])
         lines += [f"**{split}**", "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
+    lines += rarity_tables(report)
     lines += diagnostics_table(report)
     lines += unfinished_lines(report)
     tail = [f"- warning: {w}" for w in report.warnings]
     return "\n".join(head + lines + tail) + "\n"
+
+
+def rarity_tables(report: SweepReport) -> list[str]:
+    """Where each arm's Δ comes from (:mod:`~nmtcore.sweep.rare_words`): per test set, the arm against the reference
+    on the sentences with a source word rare in training and on the rest; one line saying why when there is none."""
+    from nmtcore.sweep.rare_words import RARE_MAX
+
+    arms = [g for g in report.groups if g.by_rarity]
+    ref = report.reference.label if report.reference is not None else "the reference"
+    if not arms:
+        return [f"No comparison by source-word rarity: {report.rarity_missing}.", ""] if report.rarity_missing else []
+    lines = [f"**Where the Δ comes from**: the test sentences with a source word seen at most {RARE_MAX} times in the "
+             f"training source (`rare`) against the rest, each arm against `{ref}` on both parts (seeds pooled, "
+             "paired bootstrap). A pretrained encoder that helps with the words the training set barely has gains "
+             "on `rare` first.", ""]
+    for split in report.test_splits:
+        rows = [(g, g.by_rarity[split]) for g in arms if split in g.by_rarity]
+        if not rows:
+            continue
+        n = {part: c.sentences for _, parts in rows for part, c in parts.items()}
+        lines += [f"*{split}* (rare: {n.get('rare', 0)} sentences, rest: {n.get('rest', 0)})", "",
+                  "| arm | rare: reference → arm | ΔBLEU [95% CI] | p | rest: reference → arm | ΔBLEU [95% CI] | p |",
+                  "|---|---|---|---|---|---|---|"]
+        for g, parts in rows:
+            cells = []
+            for part in ("rare", "rest"):
+                c = parts.get(part)
+                cells += ["—"] * 3 if c is None else [
+                    f"{c.reference_bleu:.2f} → {c.arm_bleu:.2f}", f"{c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}]",
+                    _p(c.p)]
+            lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def unfinished_lines(report: SweepReport) -> list[str]:
@@ -268,6 +302,10 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
     return {"sweep": report.sweep, "parent_run_id": report.parent_run_id, "study": report.study,
             "space": report.space, "metric": report.metric, "test_splits": report.test_splits,
             "added_test_splits": report.added_test_splits, "protocol": report.protocol,
+            "by_source_rarity": {g.label: {split: {part: dataclasses.asdict(c) for part, c in parts.items()}
+                                           for split, parts in g.by_rarity.items()}
+                                 for g in report.groups if g.by_rarity},
+            "by_source_rarity_missing": report.rarity_missing,
             "reference": report.reference.label if report.reference else None,
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},

@@ -86,6 +86,7 @@ class Group:
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
+    by_rarity: dict[str, dict[str, Any]] = field(default_factory=dict)  # test set → "rare"/"rest" → PartComparison
     unfinished: list["Progress"] = field(default_factory=list)  # runs still training or stopped with the sweep
 
     @property
@@ -139,6 +140,7 @@ class SweepReport:
     time_split: list[dict[str, Any]] = field(default_factory=list)  # what each session took (``time_split.json``)
     pooled: list[str] = field(default_factory=list)  # the sweeps whose runs a pooled report joins (empty: one sweep)
     added_test_splits: list[str] = field(default_factory=list)  # of test_splits, those decoded after the sweep
+    rarity_missing: str = ""  # why no arm has a comparison by source-word rarity ("": they have)
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -244,6 +246,9 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             if g is not reference:
                 for split in splits:
                     g.comparisons[split] = _compare(reference, g, split, uri, n_bootstrap, bootstrap_seed, warnings)
+        rarity_missing = _by_rarity(reference, groups, splits, uri, n_bootstrap, bootstrap_seed, warnings)
+    else:
+        rarity_missing = "no bootstrap asked for" if reference is not None else "no reference arm"
     warnings += _identical_trajectories(groups, histories)
     if reference is not None:
         warnings += _averaging_mismatch(reference, groups)
@@ -272,7 +277,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
     return SweepReport(sweep=" + ".join(r.name for r in records), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=recorded.study, space=space, varied_keys=varied, metric=metric,
-                       test_splits=splits, added_test_splits=added, protocol=recorded.protocol, groups=groups,
+                       test_splits=splits, added_test_splits=added, rarity_missing=rarity_missing,
+                       protocol=recorded.protocol, groups=groups,
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate,
                        time_split=timing.read(parent.run_id, uri) if len(parents) == 1 else [],
@@ -435,17 +441,8 @@ def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warn
 
         diffs = [b[s] - a[s] for s in seeds]
         out.p_seeds = 1.0 if all(d == 0 for d in diffs) else float(stats.ttest_1samp(diffs, 0.0).pvalue)
-    runs_a = {r.tags.get(SEED_TAG, ""): r for r in ref.runs if trial_state(r) == "complete"}
-    runs_b = {r.tags.get(SEED_TAG, ""): r for r in g.runs if trial_state(r) == "complete"}
-    hyps_a: list[str] = []
-    hyps_b: list[str] = []
-    refs: list[str] = []
     try:
-        for s in seeds:
-            name = f"{split}.{runs_a[s].params.get('data.tgt_lang', '')}"
-            hyps_a += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"hypotheses/{name}", uri))
-            hyps_b += _lines(tracking.read_artifact_text(runs_b[s].run_id, f"hypotheses/{name}", uri))
-            refs += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"references/{name}", uri))
+        hyps_a, hyps_b, refs = pooled_hypotheses(ref, g, split, seeds, uri)
         result = bleu.paired_bootstrap(hyps_a, hyps_b, refs, n_samples=n, seed=seed)
     except (tracking.TrackingError, OSError, ValueError) as e:
         warnings.append(f"{g.label} ({split}): no paired bootstrap ({e})")
@@ -453,6 +450,50 @@ def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warn
     out.ci_low, out.ci_high = result.ci_diff
     out.p = result.p_value_two_sided
     return out
+
+
+def pooled_hypotheses(ref: Group, g: Group, split: str, seeds: Sequence[str],
+                      uri: str) -> tuple[list[str], list[str], list[str]]:
+    """The reference's and ``g``'s hypotheses on ``split`` and the references, ``seeds`` one after another."""
+    runs_a = {r.tags.get(SEED_TAG, ""): r for r in ref.runs if trial_state(r) == "complete"}
+    runs_b = {r.tags.get(SEED_TAG, ""): r for r in g.runs if trial_state(r) == "complete"}
+    hyps_a: list[str] = []
+    hyps_b: list[str] = []
+    refs: list[str] = []
+    for s in seeds:
+        name = f"{split}.{runs_a[s].params.get('data.tgt_lang', '')}"
+        hyps_a += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"hypotheses/{name}", uri))
+        hyps_b += _lines(tracking.read_artifact_text(runs_b[s].run_id, f"hypotheses/{name}", uri))
+        refs += _lines(tracking.read_artifact_text(runs_a[s].run_id, f"references/{name}", uri))
+    return hyps_a, hyps_b, refs
+
+
+def _by_rarity(reference: Group, groups: list[Group], splits: list[str], uri: str, n: int, seed: int,
+               warnings: list[str]) -> str:
+    """Each arm against the reference on the test sentences with a rare source word and on the rest
+    (:mod:`~nmtcore.sweep.rare_words`), into each group's ``by_rarity``; returns why there is none ("" if there
+    is)."""
+    from nmtcore.sweep import rare_words
+
+    first = next((r for r in reference.runs if trial_state(r) == "complete"), None)
+    if first is None:
+        return "the reference has no complete trial"
+    masks, why = rare_words.masks_from_data(first.params, splits)
+    if not masks:
+        return why
+    for g in groups:
+        if g is reference:
+            continue
+        for split in splits:
+            seeds = sorted(set(reference.bleu.get(split, {})) & set(g.bleu.get(split, {})))
+            if not seeds:
+                continue
+            try:
+                a, b, refs = pooled_hypotheses(reference, g, split, seeds, uri)
+                g.by_rarity[split] = rare_words.compare_parts(a, b, refs, masks[split], n, seed)
+            except (tracking.TrackingError, OSError, ValueError) as e:
+                warnings.append(f"{g.label} ({split}): no comparison by source-word rarity ({e})")
+    return ""
 
 
 def _identical_trajectories(groups: list[Group], histories: dict[str, list[float]]) -> list[str]:
