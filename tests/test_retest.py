@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nmtcore import tracking
-from nmtcore.sweep import lifecycle, report, results, retest
+from nmtcore.sweep import driver, lifecycle, report, results, retest
 from nmtcore.tracking import schema
 from tests.test_report import LANG, REFS, SPLIT, add_trial, hyps
 
@@ -27,15 +27,20 @@ def _sweep_with_checkpoints(tmp_path: Path, uri: str) -> tracking.Tracker:
     add_trial(parent, tmp_path, 1, 1, "fused", 0.8, {"arm": "fused"})
     add_trial(parent, tmp_path, 2, 2, "fused", 0.8, {"arm": "fused"}, state="failed")
     for run in results.sweep_children(parent.run_id, uri):
-        out = tmp_path / run.run_id
-        (out / "checkpoints").mkdir(parents=True)
-        (out / "checkpoints" / "epoch2.pt").write_bytes(b"weights")
-        tracking.log_run_artifacts(run.run_id, [_file(tmp_path / "summary.json", '{"final_model": "epoch2.pt"}')],
-                                   None, uri)
-        again = tracking.Tracker(uri, run_id=run.run_id)
-        again.log_params({"output_dir": str(out), "data.valid_split": "val", "train.num_threads": 1})
-        again.end(run.status)
+        _weights(tmp_path, uri, run)
     return parent
+
+
+def _weights(tmp_path: Path, uri: str, run: tracking.RunRecord) -> None:
+    """``run``'s tested weights on disk, where its params and ``summary.json`` say they are."""
+    out = tmp_path / run.run_id
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "epoch2.pt").write_bytes(b"weights")
+    tracking.log_run_artifacts(run.run_id, [_file(tmp_path / "summary.json", '{"final_model": "epoch2.pt"}')],
+                               None, uri)
+    again = tracking.Tracker(uri, run_id=run.run_id)
+    again.log_params({"output_dir": str(out), "data.valid_split": "val", "train.num_threads": 1})
+    again.end(run.status)
 
 
 def _file(path: Path, text: str) -> Path:
@@ -99,6 +104,12 @@ def test_every_complete_trial_is_scored_on_the_new_split_and_the_report_compares
     late = results.build_report("toy", uri, n_bootstrap=0)
     assert any(w.startswith(f"{NEW} (added by nmtcore retest): 1 complete trial(s) not decoded on it (control seed 2)")
                for w in late.warnings)
+    # A sweep that finishes decodes the added splits with the trials that completed since, before its report.
+    late_run = next(r for r in results.sweep_children(parent.run_id, uri) if r.run_name == "control seed 2")
+    _weights(tmp_path, uri, late_run)
+    calls.clear()
+    assert driver.retest_added(parent.run_id, uri, decode=_decoder(calls, uri)) == {NEW: 1} and len(calls) == 1
+    assert not [w for w in results.build_report("toy", uri, n_bootstrap=0).warnings if "nmtcore retest" in w]
 
 
 def test_the_command_refuses_a_tested_validation_or_training_split_and_a_sweep_without_weights(tmp_path, capsys):

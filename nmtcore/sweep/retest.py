@@ -12,8 +12,9 @@ the hypotheses and references as artifacts, BLEU's signature), with the tag ``nm
 and with which code. The sweep's parent run lists the split under ``nmtcore.test_splits_added``, which
 ``nmtcore report`` adds to the sweep's own test sets and names in the report's head.
 
-A trial that already has scores on the split keeps them; a trial that completes later (a sweep resumed after this
-ran) has none until this runs again, and the report warns about it. The validation split, which chose each trial's
+A trial that already has scores on the split keeps them (``again``: decoded anew). A trial that completes later (a
+sweep resumed after this ran) is decoded on the split when its sweep finishes, before the report
+(:func:`nmtcore.sweep.driver.retest_added`); until then the report warns that it lacks it. The validation split, which chose each trial's
 tested weights, and the training split are refused.
 
   nmtcore retest --sweep NAME --splits test_2017_flickr [--tracking-uri URI]
