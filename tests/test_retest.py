@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nmtcore import tracking
-from nmtcore.sweep import driver, lifecycle, report, results, retest
+from nmtcore.sweep import driver, lifecycle, report, results, retest, timing
 from nmtcore.tracking import schema
 from tests.test_report import LANG, REFS, SPLIT, add_trial, hyps
 
@@ -108,7 +108,9 @@ def test_every_complete_trial_is_scored_on_the_new_split_and_the_report_compares
     late_run = next(r for r in results.sweep_children(parent.run_id, uri) if r.run_name == "control seed 2")
     _weights(tmp_path, uri, late_run)
     calls.clear()
-    assert driver.retest_added(parent.run_id, uri, decode=_decoder(calls, uri)) == {NEW: 1} and len(calls) == 1
+    clock = timing.PhaseClock()
+    assert driver.retest_added(parent.run_id, uri, decode=_decoder(calls, uri), clock=clock) == {NEW: 1}
+    assert len(calls) == 1 and "retest" in clock.session()["phases"]
     assert not [w for w in results.build_report("toy", uri, n_bootstrap=0).warnings if "nmtcore retest" in w]
 
 
@@ -131,7 +133,10 @@ def test_the_command_refuses_a_tested_validation_or_training_split_and_a_sweep_w
     assert main(["retest", "--sweep", "toy", "--splits", NEW, "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "are not on this machine" in err[0]
-    assert schema.TEST_SPLITS_ADDED not in tracking.get_run(results.find_sweep_run("toy", uri).run_id, uri).tags
+    parent_id = results.find_sweep_run("toy", uri).run_id
+    assert schema.TEST_SPLITS_ADDED not in tracking.get_run(parent_id, uri).tags
+    clock = timing.PhaseClock()  # a sweep with no split added: nothing decoded at its end, no phase in its time split
+    assert driver.retest_added(parent_id, uri, clock=clock) == {} and not clock.session()["phases"]
 
 
 def test_a_new_split_is_decoded_as_the_trial_decoded_its_own_test_set(tmp_path: Path):

@@ -362,8 +362,7 @@ def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: Experim
         end_orphans(parent.run_id, parent.tracking_uri, interrupted)
         _describe(lambda: timing.record(parent, clock, earlier))  # what the report reads
         if not interrupted:
-            with clock.phase("retest"):
-                _describe(lambda: retest_added(parent.run_id, parent.tracking_uri))
+            _describe(lambda: retest_added(parent.run_id, parent.tracking_uri, clock=clock))
         if interrupted:
             parent.set_tags({tracking.FAILURE_REASON_TAG: "sweep interrupted; continue it with --resume"})
         elif settings.report_dir:
@@ -533,17 +532,20 @@ def print_where(settings: SweepSettings, parent: tracking.Tracker | None, dashbo
     print("\n".join(lines), flush=True)
 
 
-def retest_added(parent_run_id: str, tracking_uri: str, decode: Any = None) -> dict[str, int]:
+def retest_added(parent_run_id: str, tracking_uri: str, decode: Any = None,
+                 clock: timing.PhaseClock | None = None) -> dict[str, int]:
     """The test splits ``nmtcore retest`` added to this sweep (:mod:`~nmtcore.sweep.retest`), decoded by the trials
     that completed since (a sweep resumed after the retest): its report then has every arm on them. Returns how
-    many trials were decoded per split (``decode``: :func:`~nmtcore.sweep.retest.decode_as_tested` by default)."""
+    many trials were decoded per split (``decode``: :func:`~nmtcore.sweep.retest.decode_as_tested` by default);
+    timed as the phase ``retest`` of ``clock`` when there is any."""
     from nmtcore.sweep import retest
 
     added = schema.SweepTags.from_tags(tracking.get_run(parent_run_id, tracking_uri).tags).added_test_splits
     if not added:
         return {}
-    return retest.retest_sweep(parent_run_id, added, tracking_uri, decode=decode or retest.decode_as_tested,
-                               say=lambda line: print(line, flush=True))
+    with (clock or timing.PhaseClock()).phase("retest"):
+        return retest.retest_sweep(parent_run_id, added, tracking_uri, decode=decode or retest.decode_as_tested,
+                                   say=lambda line: print(line, flush=True))
 
 
 def _describe(publish: Callable[[], Any]) -> Any:

@@ -14,8 +14,8 @@ and with which code. The sweep's parent run lists the split under ``nmtcore.test
 
 A trial that already has scores on the split keeps them (``again``: decoded anew). A trial that completes later (a
 sweep resumed after this ran) is decoded on the split when its sweep finishes, before the report
-(:func:`nmtcore.sweep.driver.retest_added`); until then the report warns that it lacks it. The validation split, which chose each trial's
-tested weights, and the training split are refused.
+(:func:`nmtcore.sweep.driver.retest_added`); until then the report warns that it lacks it. The validation split,
+which chose each trial's tested weights, and the training split are refused.
 
   nmtcore retest --sweep NAME --splits test_2017_flickr [--tracking-uri URI]
 """
