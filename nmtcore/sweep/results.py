@@ -43,6 +43,7 @@ class Comparison:
     p: float | None = None  # two-sided paired bootstrap
     p_seeds: float | None = None  # paired t-test across seeds (>= 2 seeds)
     pooled_seeds: int = 0
+    parts: dict[str, Any] = field(default_factory=dict)  # "rare"/"rest" → rare_words.PartComparison
 
     @property
     def significant(self) -> bool:
@@ -86,8 +87,12 @@ class Group:
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
-    by_rarity: dict[str, dict[str, Any]] = field(default_factory=dict)  # test set → "rare"/"rest" → PartComparison
     unfinished: list["Progress"] = field(default_factory=list)  # runs still training or stopped with the sweep
+
+    @property
+    def by_rarity(self) -> dict[str, dict[str, Any]]:
+        """Test set → its comparison with the reference by source-word rarity ("rare"/"rest" → PartComparison)."""
+        return {split: c.parts for split, c in self.comparisons.items() if c.parts}
 
     @property
     def still_improving(self) -> int:
@@ -242,11 +247,12 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     else:
         reference = next((g for g in groups if g.control), None) or _find_reference(groups, space.get("reference"))
     if reference is not None and n_bootstrap > 0:
+        masks, rarity_missing = _rarity_masks(reference, splits)
         for g in groups:
             if g is not reference:
                 for split in splits:
-                    g.comparisons[split] = _compare(reference, g, split, uri, n_bootstrap, bootstrap_seed, warnings)
-        rarity_missing = _by_rarity(reference, groups, splits, uri, n_bootstrap, bootstrap_seed, warnings)
+                    g.comparisons[split] = _compare(reference, g, split, uri, n_bootstrap, bootstrap_seed, warnings,
+                                                    masks.get(split))
     else:
         rarity_missing = "no bootstrap asked for" if reference is not None else "no reference arm"
     warnings += _identical_trajectories(groups, histories)
@@ -427,9 +433,11 @@ def _find_reference(groups: list[Group], reference: Any) -> Group | None:
     return groups[0]
 
 
-def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warnings: list[str]) -> Comparison:
+def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warnings: list[str],
+             rare_mask: Sequence[bool] | None = None) -> Comparison:
     """Paired bootstrap of ``g`` against ``ref`` on the pooled hypotheses of the seeds both completed, and a
-    paired t-test across those seeds."""
+    paired t-test across those seeds; with ``rare_mask`` (one seed's sentences with a rare source word), the same
+    on those sentences and on the rest (:func:`~nmtcore.sweep.rare_words.compare_parts`)."""
     a, b = ref.bleu.get(split, {}), g.bleu.get(split, {})
     seeds = sorted(set(a) & set(b))
     out = Comparison(pooled_seeds=len(seeds))
@@ -449,6 +457,13 @@ def _compare(ref: Group, g: Group, split: str, uri: str, n: int, seed: int, warn
         return out
     out.ci_low, out.ci_high = result.ci_diff
     out.p = result.p_value_two_sided
+    if rare_mask is not None:
+        from nmtcore.sweep import rare_words
+
+        try:
+            out.parts = rare_words.compare_parts(hyps_a, hyps_b, refs, rare_mask, n, seed)
+        except ValueError as e:
+            warnings.append(f"{g.label} ({split}): no comparison by source-word rarity ({e})")
     return out
 
 
@@ -468,32 +483,15 @@ def pooled_hypotheses(ref: Group, g: Group, split: str, seeds: Sequence[str],
     return hyps_a, hyps_b, refs
 
 
-def _by_rarity(reference: Group, groups: list[Group], splits: list[str], uri: str, n: int, seed: int,
-               warnings: list[str]) -> str:
-    """Each arm against the reference on the test sentences with a rare source word and on the rest
-    (:mod:`~nmtcore.sweep.rare_words`), into each group's ``by_rarity``; returns why there is none ("" if there
-    is)."""
+def _rarity_masks(reference: Group, splits: list[str]) -> tuple[dict[str, list[bool]], str]:
+    """Each test split's sentences with a rare source word (:mod:`~nmtcore.sweep.rare_words`), from the data the
+    reference's runs name, and ""; or ({}, why there are none)."""
     from nmtcore.sweep import rare_words
 
     first = next((r for r in reference.runs if trial_state(r) == "complete"), None)
     if first is None:
-        return "the reference has no complete trial"
-    masks, why = rare_words.masks_from_data(first.params, splits)
-    if not masks:
-        return why
-    for g in groups:
-        if g is reference:
-            continue
-        for split in splits:
-            seeds = sorted(set(reference.bleu.get(split, {})) & set(g.bleu.get(split, {})))
-            if not seeds:
-                continue
-            try:
-                a, b, refs = pooled_hypotheses(reference, g, split, seeds, uri)
-                g.by_rarity[split] = rare_words.compare_parts(a, b, refs, masks[split], n, seed)
-            except (tracking.TrackingError, OSError, ValueError) as e:
-                warnings.append(f"{g.label} ({split}): no comparison by source-word rarity ({e})")
-    return ""
+        return {}, "the reference has no complete trial"
+    return rare_words.masks_from_data(first.params, splits)
 
 
 def _identical_trajectories(groups: list[Group], histories: dict[str, list[float]]) -> list[str]:

@@ -23,7 +23,6 @@ which chose each trial's tested weights, and the training split are refused.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import tempfile
 import time
@@ -36,8 +35,6 @@ from nmtcore.sweep.lengths import tested_checkpoint
 from nmtcore.sweep.lifecycle import ARM_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.settings import SweepError
 from nmtcore.tracking import schema
-
-log = logging.getLogger("nmtcore.sweep")
 
 
 class RetestError(SweepError):
@@ -94,9 +91,10 @@ def _decode(checkpoint: Path, split: str) -> Decoded:
     return Decoded(hyps, list(encoded.raw_tgt), time.perf_counter() - t0)
 
 
-def check_splits(splits: Sequence[str], tested: Sequence[str], valid_split: str) -> list[str]:
+def check_splits(splits: Sequence[str], tested: Sequence[str], valid_split: str,
+                 train_split: str = "train") -> list[str]:
     """The splits to add, in order and once each: :class:`RetestError` for none, for one the sweep tested already,
-    for its validation split (it chose each trial's tested weights) and for the training split."""
+    for its validation split (it chose each trial's tested weights) and for its training split."""
     wanted = list(dict.fromkeys(s.strip() for s in splits if s.strip()))
     if not wanted:
         raise RetestError("--splits: name at least one test split")
@@ -105,8 +103,8 @@ def check_splits(splits: Sequence[str], tested: Sequence[str], valid_split: str)
             raise RetestError(f"{split}: the sweep tested it already (its test sets: {', '.join(tested)})")
         if split == valid_split:
             raise RetestError(f"{split}: the validation split chose each trial's tested weights, so it is no test set")
-        if split == "train":
-            raise RetestError("train: the training split is no test set")
+        if split == train_split:
+            raise RetestError(f"{split}: the training split is no test set")
     return wanted
 
 
@@ -141,7 +139,9 @@ def retest_sweep(sweep: str, splits: Sequence[str], tracking_uri: str | os.PathL
     runs = [r for r in sweep_children(parent.run_id, uri) if trial_state(r) == "complete"]
     if not runs:
         raise RetestError(f"sweep {recorded.name}: no complete trial to decode")
-    wanted = check_splits(splits, recorded.test_splits, runs[0].params.get("data.valid_split", "val"))
+    params = runs[0].params
+    wanted = check_splits(splits, recorded.test_splits, params.get("data.valid_split", "val"),
+                          params.get("data.train_split", "train"))
     checkpoints = {r.run_id: tested_checkpoint(r, uri) for r in runs}  # every one found before the first decode
     code = provenance_tags({}).get(schema.GIT_SHA, "?")
     added = list(recorded.added_test_splits)

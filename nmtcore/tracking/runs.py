@@ -236,14 +236,19 @@ def set_run_tags(run_id: str, tags: Mapping[str, Any], tracking_uri: str | os.Pa
 def log_run_metrics(run_id: str, metrics: Mapping[str, float], step: int,
                     tracking_uri: str | os.PathLike | None = None) -> None:
     """Log metrics at ``step`` in any run by id, without touching its status (test sets decoded after a sweep)."""
+    with _reader(tracking_uri) as client:
+        for batch in metric_batches(metrics, step):
+            client.log_batch(run_id, metrics=batch, synchronous=True)
+
+
+def metric_batches(metrics: Mapping[str, float], step: int) -> Iterator[list[Metric]]:
+    """``metrics`` at ``step``, timestamped now, keys checked, in batches MLflow's ``log_batch`` takes."""
     now = int(time.time() * 1000)
     entities = []
     for key, value in metrics.items():
         _check_key(key)
         entities.append(Metric(key, float(value), now, int(step)))
-    with _reader(tracking_uri) as client:
-        for batch in _chunks(entities, MAX_METRICS_PER_BATCH):
-            client.log_batch(run_id, metrics=batch, synchronous=True)
+    return _chunks(entities, MAX_METRICS_PER_BATCH)
 
 
 def log_run_artifacts(run_id: str, paths: list[str | os.PathLike], artifact_path: str | None = None,

@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, TypeVar
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import (
-    MAX_METRICS_PER_BATCH,
     MAX_PARAM_VAL_LENGTH,
     MAX_PARAMS_TAGS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
@@ -62,6 +60,7 @@ from nmtcore.tracking.runs import (
     _fail_fast_http,
     _is_transient,
     ensure_sqlite_schema,
+    metric_batches,
 )
 
 
@@ -249,12 +248,7 @@ class Tracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step`` (use the epoch or update number, stable across resumes)."""
-        now = int(time.time() * 1000)
-        entities = []
-        for key, value in metrics.items():
-            _check_key(key)
-            entities.append(Metric(key, float(value), now, int(step)))
-        for batch in _chunks(entities, MAX_METRICS_PER_BATCH):
+        for batch in metric_batches(metrics, step):
             self._call("log metrics", self._client.log_batch, self._run_id, metrics=batch, synchronous=True)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
