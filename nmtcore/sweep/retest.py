@@ -57,7 +57,7 @@ def decode_as_tested(checkpoint: Path, split: str, threads: int = 0) -> Decoded:
     """``split`` decoded by ``checkpoint`` as its run decodes a test set: data prepared from its own config with
     ``split`` added to the test sets, its BERT's stream and (frozen, cached) features, its decoding settings, on
     ``threads`` threads (0: as many as torch has), the trial's count: another one can change a bf16 decode's last
-    bits, and with them a tie between two beams (1 line in 1000 of a test set on 2 threads instead of 1)."""
+    bits, and with them a tie between two beams."""
     import torch
 
     was = torch.get_num_threads()
