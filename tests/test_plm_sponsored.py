@@ -173,6 +173,32 @@ def test_kd_is_zero_when_the_student_is_the_teacher():
     assert not any(p.requires_grad for p in half.teacher.parameters())
 
 
+def test_kd_teacher_layer_is_the_pretrained_bert_s_layer_k():
+    """``model.kd_teacher_layer`` = k: r_plm is the pretrained BERT's layer k (the teacher keeps its bottom k
+    layers), so the student's untrained half layer (layer 1 of the tiny BERT's 2) equals a layer-1 teacher;
+    0 and the BERT's depth are the paper's last layer; a layer the BERT lacks is refused naming the key."""
+    from transformers import BertModel
+
+    batch = batch_of([[5, 6, 7], [8, 9, 10, 11]], [[12, 13], [14, 15, 16]])
+    model = _train_mode_without_bert_dropout(tiny(kd_teacher_layer=1))
+    assert model.half_layer == 1 and model.teacher.layers == 1 and len(model.teacher.bert.encoder.layer) == 1
+    ex = model(batch)
+    assert kd_mse(ex.kd.student, ex.kd.teacher, ex.kd.mask).item() == pytest.approx(0.0, abs=1e-10)
+    hf = BertModel.from_pretrained(tiny_bert_dir(), add_pooling_layer=False).eval()
+    real = ~batch.extras["bert_mask"]
+    with torch.no_grad():
+        states = hf(input_ids=batch.extras["bert_ids"], attention_mask=real.long(),
+                    token_type_ids=batch.extras["bert_segments"], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(ex.kd.teacher[real], states[1][real], atol=1e-5, rtol=1e-5)
+    for k in (0, 2):  # the last layer, named or by default
+        teacher = tiny(kd_teacher_layer=k).teacher
+        assert teacher.layers == 2 and len(teacher.bert.encoder.layer) == 2
+    with pytest.raises(ConfigError, match="^model.kd_teacher_layer: .*2 layers"):
+        tiny(kd_teacher_layer=3)
+    with pytest.raises(ConfigError, match="^model.kd_teacher_layer: "):
+        ExperimentConfig.from_dict({"model": {**TINY, "kd_teacher_layer": -1}})
+
+
 def test_kd_gradients_reach_the_student_only():
     """With α = 0 the loss is L_KD alone (Eq. 5): every student layer up to M/2 gets a non-zero gradient,
     the layers above M/2 and the coordinator exactly zero (h_{M/2} does not depend on them), the teacher

@@ -123,6 +123,11 @@ def test_plm_sponsored_distance_from_the_pretrained_bert_with_and_without_a_teac
     assert {k: v for k, v in b.items() if k.startswith("pretrained_mse/")} == pytest.approx(
         {k: v for k, v in a.items() if k.startswith("pretrained_mse/")})
     assert "mlm/acc" in a and "mlm/acc" not in b  # the MLM head exists with L_MLM only
+    # A teacher stopping below the top layer (model.kd_teacher_layer) is not the pretrained BERT the figures
+    # measure against: the probe loads the whole one, as for an arm without a teacher.
+    lower = probe(plm(kd_teacher=True, kd_teacher_layer=1), batch)
+    assert {k: v for k, v in lower.items() if k.startswith("pretrained_mse/")} == pytest.approx(
+        {k: v for k, v in a.items() if k.startswith("pretrained_mse/")})
     with torch.no_grad():
         for p in without.bert.bert.encoder.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -254,6 +254,9 @@ class PlmSponsoredConfig(ModelConfig):
     encoder_gate: bool = True  # Eq. 6 gate + FFN + LN over h_M, h_{M/2}; false: r_S = h_M
     kd_teacher: bool = True  # build the frozen source-BERT teacher (needed for train.kd_alpha < 1)
     kd_layer: str = "half"  # student state of Eq. 4: "half" = h_{M/2}; "full" = h_M (Table 3's L_fkd)
+    # The teacher's layer that is r_plm (Eq. 4): 0 = its last, as the paper's BERT-base; k = the pretrained
+    # BERT's layer k (1..M), for source BERTs whose top layer is not a token-level one (all-MiniLM-L6-v2's).
+    kd_teacher_layer: int = 0
     mlm_loss: bool = True  # L_MLM on the encoder (Eq. 9)
     mlm_prob: float = 0.15  # fraction of WordPieces masked for L_MLM
     tgt_lm_loss: bool = True  # L_T on the decoder (Eq. 8-9)
@@ -272,6 +275,8 @@ class PlmSponsoredConfig(ModelConfig):
               f"{self.name} needs a target BERT: set model.tgt_bert.name (e.g. {DEFAULT_TGT_BERT})")
         check(not self.pre_norm, "model.pre_norm", f"{self.name}'s coordinator is post-norm (Eq. 2); set it to false")
         check(self.kd_layer in ("half", "full"), "model.kd_layer", f"must be 'half' or 'full', got {self.kd_layer!r}")
+        check(self.kd_teacher_layer >= 0, "model.kd_teacher_layer",
+              f"must be 0 (the teacher's last layer) or a layer number >= 1, got {self.kd_teacher_layer}")
         check(0.0 < self.mlm_prob < 1.0, "model.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
         check(0.0 < self.tgt_lm_fraction <= 1.0, "model.tgt_lm_fraction",
               f"must be in (0, 1], got {self.tgt_lm_fraction}")

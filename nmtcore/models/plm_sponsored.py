@@ -34,7 +34,8 @@ Losses (Eq. 4-9) stay in :mod:`nmtcore.engine.losses`; ``forward`` returns their
 
 - **Half-layer KD** (Eq. 4-5): a frozen copy of the source BERT taken at construction is the teacher
   (``model.kd_teacher``); ``ModelOutput.kd`` holds the student's layer-M/2 state (``model.kd_layer=full``:
-  layer M, Table 3's "+L_fkd"), the teacher's last layer and the WordPiece padding mask. The
+  layer M, Table 3's "+L_fkd"), the teacher's last layer and the WordPiece padding mask (``model.kd_teacher_layer``
+  = k: the pretrained BERT's layer k instead, a platform option; the default is the paper's last layer). The
   weight is the platform's ``train.kd_alpha`` = α of ``L = α·L_NMT + (1 − α)·L_KD``, **the weight of the
   NMT term** (paper: α = 0.9). The public code (akibcmi/PLM-NMT, its label-smoothed criterion) puts its
   α on the KD term (default 0.1): the same objective, so its ``0.1`` is our ``train.kd_alpha=0.9``; it
@@ -231,11 +232,19 @@ def set_hidden_dropout(hf_bert: nn.Module, p: float) -> None:
 # ---------------------------------------------------------------------- the frozen KD teacher
 class FrozenTeacher(nn.Module):
     """A frozen copy of the source BERT as built (Section 2.3: "BERT to generate r_plm is frozen as the
-    teacher"); always in eval mode, never trained, not used for decoding."""
+    teacher"); always in eval mode, never trained, not used for decoding. ``layers`` < the BERT's depth keeps
+    only its bottom ``layers`` layers, so r_plm is that layer's state (``model.kd_teacher_layer``)."""
 
-    def __init__(self, hf_bert: nn.Module) -> None:
+    def __init__(self, hf_bert: nn.Module, layers: int | None = None) -> None:
         super().__init__()
         self.bert = copy.deepcopy(hf_bert)
+        stack = self.bert.encoder.layer
+        self.layers = len(stack) if layers is None else layers
+        if not 1 <= self.layers <= len(stack):
+            raise ConfigError(f"model.kd_teacher_layer: the source BERT has {len(stack)} layers, got {layers}")
+        if self.layers < len(stack):
+            self.bert.encoder.layer = nn.ModuleList(list(stack)[: self.layers])
+            self.bert.config.num_hidden_layers = self.layers
         self.bert.requires_grad_(False)
         self.bert.eval()
 
@@ -247,7 +256,7 @@ class FrozenTeacher(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
-        """ids/mask/segments (B, Tb), mask True = padding → r_plm, the last layer (B, Tb, H)."""
+        """ids/mask/segments (B, Tb), mask True = padding → r_plm, the teacher's last layer (B, Tb, H)."""
         out = self.bert(input_ids=ids, attention_mask=(~mask).long(), token_type_ids=segments, return_dict=True)
         return out.last_hidden_state
 
@@ -393,7 +402,7 @@ class PlmSponsored(NMTModel):
         if self.encoder_gate is not None:
             self.encoder_gate.ffn_res.norm.eps = eps
         self.src_proj = nn.Linear(h_src, d) if h_src != d else nn.Identity()
-        self.teacher = FrozenTeacher(self.bert.bert) if cfg.kd_teacher else None
+        self.teacher = (FrozenTeacher(self.bert.bert, cfg.kd_teacher_layer or None) if cfg.kd_teacher else None)
         self.mlm_head = MLMHead(self.bert.bert.get_input_embeddings(), eps) if cfg.mlm_loss else None
         tok = self.bert.resolved.load_tokenizer() if cfg.mlm_loss else None
         self.mask_token_id = int(tok.mask_token_id) if tok is not None else -1
@@ -486,8 +495,9 @@ class PlmSponsored(NMTModel):
             if self.encoder_gate is not None:
                 g = torch.sigmoid(self.encoder_gate.gate(torch.cat([top, half], dim=-1)))  # (B, Tb, H)
                 add("source_gate/top", float(g[real].float().sum()), int(real.sum()) * g.size(-1))
-            if not pretrained:
-                pretrained.append(self.teacher.bert if self.teacher is not None
+            if not pretrained:  # the whole pretrained BERT: the teacher unless it stops below the top layer
+                whole = self.teacher is not None and self.teacher.layers == self.top_layer
+                pretrained.append(self.teacher.bert if whole
                                   else self.bert.resolved.load_model().to(mask.device).eval())
             ref = pretrained[0](input_ids=x["bert_ids"], attention_mask=real.long(), token_type_ids=x["bert_segments"],
                                 output_hidden_states=True, return_dict=True).hidden_states
