@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "nmtcore"
 # Data-flow order: a module may import its own layer and the layers before it, never one after it.
 LAYERS = [
-    ("nmtcore.files", "nmtcore.host", "nmtcore.devices", "nmtcore.allocator", "nmtcore.bleu", "nmtcore.checkpoint"),
+    ("nmtcore.files", "nmtcore.host", "nmtcore.devices", "nmtcore.allocator", "nmtcore.bleu", "nmtcore.checkpoint",
+     "nmtcore.interrupts"),
     ("nmtcore.config",),
     ("nmtcore.data",),
     ("nmtcore.nn",),

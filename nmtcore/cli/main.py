@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from nmtcore.allocator import reexec_with_allocator
 from nmtcore.cli.errors import USER_ERRORS
 from nmtcore.config import PRESETS, ConfigError, ExperimentConfig, parse_overrides, preset
+from nmtcore.interrupts import interrupt
 
 
 def _experiment_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -364,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Schedulers stop jobs with SIGTERM, people with Ctrl-C: both unwind as KeyboardInterrupt, so the MLflow run
     # ends KILLED (not left RUNNING), checkpoints already written stay the resume point, and the command ends with
     # one line and the shell's status for that signal (128 + its number).
-    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if argv is None and getattr(args, "trains", False):
             # The console command only (a caller's own process, a test's or a notebook's, is never replaced):
@@ -411,13 +412,3 @@ def check_writable_dir(path: str | os.PathLike, key: str) -> None:
         raise ConfigError(f"{key}: directory {target} is not writable{where}: {e.strerror or e}") from None
 
 
-class Stopped(KeyboardInterrupt):
-    """A signal that stops a command (SIGTERM, SIGINT), raised where the main thread is when it arrives."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise Stopped(signum)

@@ -275,9 +275,9 @@ class SigtermAsCtrlC:
         if callable(on_ctrl_c) and on_ctrl_c is not signal.default_int_handler:
             on_ctrl_c(signal.SIGINT, frame)  # Tune's: it stops the trials and saves their state
             return
-        from nmtcore.cli.main import Stopped
+        from nmtcore.interrupts import interrupt
 
-        raise Stopped(signum)
+        interrupt(signum, frame)  # Stopped, now or when the store write under way has finished
 
 
 def entry_point(study: Any, doc: str, variant_flag: str = "--variant") -> int:

@@ -27,6 +27,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_TAG_VAL_LENGTH
 
+from nmtcore.interrupts import uninterrupted
 from nmtcore.tracking import schema
 from nmtcore.tracking.errors import TrackingError, one_line, truncate
 from nmtcore.tracking.provenance import tag_value
@@ -299,16 +300,19 @@ def quote(value: str) -> str:
 # ------------------------------------------------------------------------------------- internals
 @contextlib.contextmanager
 def _reader(tracking_uri: str | os.PathLike | None) -> Iterator[MlflowClient]:
-    """A client for reading; MLflow errors become one-line :class:`TrackingError`s naming the URI."""
+    """A client for reading (and the module's few writes); MLflow errors become one-line :class:`TrackingError`s
+    naming the URI. A stopping signal waits for the block (:func:`nmtcore.interrupts.uninterrupted`): cut short, a
+    sqlite transaction can keep the store locked."""
     uri = resolve_tracking_uri(tracking_uri)
     path, _ = sqlite_path(uri)
     if path is not None and path != ":memory:" and not os.path.exists(path):
         raise TrackingError(f"no tracking store at {path} ({uri})")
     ensure_sqlite_schema(uri)
-    try:
-        yield MlflowClient(uri)
-    except (MlflowException, OSError) as e:
-        raise TrackingError(f"cannot read from {uri}: {one_line(e)}") from None
+    with uninterrupted():
+        try:
+            yield MlflowClient(uri)
+        except (MlflowException, OSError) as e:
+            raise TrackingError(f"cannot read from {uri}: {one_line(e)}") from None
 
 
 def _record(run: Any) -> RunRecord:

@@ -46,6 +46,7 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
+from nmtcore.interrupts import uninterrupted
 from nmtcore.tracking import schema
 from nmtcore.tracking.errors import TrackingError, one_line, truncate
 from nmtcore.tracking.provenance import failure_reason, tag_value
@@ -109,7 +110,7 @@ class Tracker:
         store_dir = check_local_store(self.tracking_uri)
         try:
             ensure_sqlite_schema(self.tracking_uri)
-            with _fail_fast_http(start_timeout_s):
+            with _fail_fast_http(start_timeout_s), uninterrupted():
                 self._client = MlflowClient(self.tracking_uri)
                 if run_id is not None:
                     run = self._reattach(run_id)
@@ -290,7 +291,8 @@ class Tracker:
 
     def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         try:
-            return fn(*args, **kwargs)
+            with uninterrupted():  # a stopping signal waits for the write: cut short, it can leave the store locked
+                return fn(*args, **kwargs)
         except (MlflowException, OSError) as e:
             if self.strict or not _is_transient(e):
                 raise TrackingError(f"MLflow {what} failed for run {self._run_id} at {self.tracking_uri}: "
