@@ -387,3 +387,37 @@ def test_each_document_context_is_a_stream_of_its_own_for_the_shared_features(tm
     grid = search_spaces.get_space("bert_size_grid:demo")
     base = _study_base(grid, False, tmp_path)
     assert len(distinct_berts(grid, base, streams=True)) == len(distinct_berts(grid, base)) == 4
+
+
+def test_arms_selects_some_of_a_studys_arms_under_a_name_of_their_own():
+    """``--arms``: the named arms in the study's order, the control kept, the variant (and so the sweep's default
+    name) naming them; an unknown arm, a study of parameters, or a study without a control losing its reference
+    arm are one line each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nmtcore.sweep.space import SpaceError
+
+    space = search_spaces.get_space("ablations:plm_sponsored_loss")
+    some = space.with_arms(["no_kd", "full"])
+    assert list(some.arms) == ["full", "no_kd"] and some.variant == "plm_sponsored_loss-full+no_kd"
+    assert some.arms["no_kd"] == space.arms["no_kd"] and some.protocol == space.protocol and some.protocol.control
+    assert {c.label for c in some.cells() if not c.control} == {"full", "no_kd"}
+    assert any(c.control for c in some.cells())
+    assert space.with_arms([]) is space
+    with pytest.raises(SpaceError, match="no arm 'nope' \\(arms: full, no_mlm, "):
+        space.with_arms(["nope"])
+    with pytest.raises(SpaceError, match="--arms selects arms, and this study varies model.bert.layers"):
+        search_spaces.get_space("bert_size_grid:demo").with_arms(["x"])
+    plain = SearchSpace("toy", "v", "transformer", arms={"a": {"model.dropout": 0.1}, "b": {"model.dropout": 0.2}},
+                        reference="a")  # no protocol, so no control: its arms compare with arm "a"
+    assert list(plain.with_arms(["b", "a"]).arms) == ["a", "b"]
+    with pytest.raises(SpaceError, match="no control and compares with its arm 'a': add it to --arms"):
+        plain.with_arms(["b"])
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "sweeps" / "ablation.py"), "--study", "plm_sponsored_loss",
+                        "--arms", "nope"], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "ablation.py: error: ablations:plm_sponsored_loss: no arm 'nope' (arms: full, no_mlm, no_lt, no_kd, "
+        "no_mlm_kd, nmt_only, full_layer_kd)"], r.stderr

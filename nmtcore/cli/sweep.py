@@ -48,6 +48,9 @@ def build_parser(description: str, study: str, variants: Sequence[str], default_
     p.add_argument("--config", help="base experiment YAML (instead of --preset)")
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="base config overrides (win over the study's defaults; the shared baseline's too)")
+    p.add_argument("--arms", nargs="+", action="extend", metavar="ARM",
+                   help="run only these arms of the study (its control too): another seed of one arm, an arm added "
+                        "after the study ran; `nmtcore report --sweep <whole> --sweep <this>` reports them together")
     p.add_argument("--arms-set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="overrides of the arms and the control only (e.g. train.max_epochs=1: a shorter second "
                         "stage), not of the shared baseline they warm-start from")
@@ -184,6 +187,8 @@ def _run(study: Any, args: argparse.Namespace) -> int:
         space = space.with_model(args.model)
     if args.budget:
         space = space.with_budget(args.budget)
+    if getattr(args, "arms", None):
+        space = space.with_arms(args.arms)
     if args.smoke_test:
         space = space.shrunk(2)
     base, baseline, smoke, space = base_experiment(space, args)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
 ARM_KEY = "arm"  # the pseudo-key under which named arms are searched
 
@@ -399,6 +399,25 @@ class SearchSpace:
         if dict(self.budgets[name]) == dict(self.budget):
             return self
         return replace(self, variant=f"{self.variant}-{name}", budget=self.budgets[name])
+
+    def with_arms(self, names: Sequence[str]) -> "SearchSpace":
+        """The same study with only the arms ``names`` (``--arms``), in the study's order, under the variant
+        ``<variant>-<arm>+<arm>...`` so its sweep stays apart from the whole study's. The control stays (a study
+        whose protocol has one); a study without one keeps its reference arm. Runs of the two sweeps report
+        together: ``nmtcore report --sweep <whole> --sweep <subset>`` (a run in both counts once)."""
+        if not names:
+            return self
+        if not self.arms:
+            raise SpaceError(f"{self.name}: --arms selects arms, and this study varies {', '.join(self.params)}")
+        unknown = [n for n in names if n not in self.arms]
+        if unknown:
+            raise SpaceError(f"{self.name}: no arm {', '.join(map(repr, unknown))} (arms: {', '.join(self.arms)})")
+        kept = [n for n in self.arms if n in names]
+        has_control = self.protocol is not None and self.protocol.control
+        if not has_control and isinstance(self.reference, str) and self.reference not in kept:
+            raise SpaceError(f"{self.name}: the study has no control and compares with its arm {self.reference!r}: "
+                             f"add it to --arms")
+        return replace(self, variant=f"{self.variant}-{'+'.join(kept)}", arms={n: self.arms[n] for n in kept})
 
     def with_arm_overrides(self, overrides: Mapping[str, Any]) -> "SearchSpace":
         """The same study with ``overrides`` set on every trial but the control (:attr:`arm_overrides`): keys
