@@ -92,3 +92,16 @@ def test_a_signal_during_a_module_level_write_lets_it_finish(cli_handler, tmp_pa
     run.end("KILLED")
     [rec] = tracking.load_runs(experiment="stop", tracking_uri=uri)
     assert rec.status == "KILLED" and rec.tags["nmtcore.note"] == "kept"
+
+
+def test_a_signal_while_a_run_starts_ends_that_run_killed(cli_handler, tmp_path, monkeypatch):
+    """Stopped while the run is being created: the Tracker is never returned, so nobody else could end the run;
+    it ends KILLED rather than staying RUNNING."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking.Tracker(uri, experiment="stop").end()  # the store and its experiment exist
+    _signal_during(monkeypatch, "create_run")
+    with pytest.raises(Stopped):
+        tracking.Tracker(uri, experiment="stop", run_name="cut")
+    monkeypatch.undo()
+    assert [r.status for r in tracking.load_runs(experiment="stop", tracking_uri=uri) if r.run_name == "cut"] == [
+        "KILLED"]

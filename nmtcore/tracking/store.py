@@ -31,6 +31,7 @@ Failure policy — tracking is part of the experiment's record, so:
 from __future__ import annotations
 
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -108,6 +109,7 @@ class Tracker:
         self._ended = False
         self.resumed = run_id is not None
         store_dir = check_local_store(self.tracking_uri)
+        run = None
         try:
             ensure_sqlite_schema(self.tracking_uri)
             with _fail_fast_http(start_timeout_s), uninterrupted():
@@ -120,6 +122,11 @@ class Tracker:
             raise
         except (MlflowException, OSError) as e:
             raise TrackingError(f"cannot start MLflow run at {self.tracking_uri}: {one_line(e)}") from None
+        except KeyboardInterrupt:  # stopped while the run was being started: no caller will end it, so end it here
+            if run is not None:
+                with contextlib.suppress(MlflowException, OSError):
+                    self._client.set_terminated(run.info.run_id, "KILLED")
+            raise
         self._run_id: str = run.info.run_id
         self.experiment_id: str = run.info.experiment_id
         self.artifact_uri: str = run.info.artifact_uri
