@@ -55,6 +55,21 @@ BERT_JAM_CONVERGED = {**SCRATCH, "train.phases_converge": True, "train.phase_sca
                       "train.keep_last": 6}
 BERT_JAM_BUDGETS = {"converged": BERT_JAM_CONVERGED, "scaled": BERT_JAM_BUDGET}
 
+# PLM-sponsored's loss switches, one bundle per row of its Table 3 (the loss ablation's arms, below).
+PLM_LOSS_ARMS = {
+    arm: {"train.kd_alpha": 0.9 if kd else 1.0, "model.kd_teacher": kd, "model.kd_layer": layer,
+          "model.mlm_loss": mlm, "model.tgt_lm_loss": lt}
+    for arm, kd, layer, mlm, lt in (
+        ("full", True, "half", True, True),  # Our Model
+        ("no_mlm", True, "half", False, True),  # -L_MLM
+        ("no_lt", True, "half", True, False),  # -L_T
+        ("no_kd", False, "half", True, True),  # -L_kd
+        ("no_mlm_kd", False, "half", False, True),  # -L_MLM & L_kd
+        ("nmt_only", False, "half", False, False),  # -L_MLM & L_T & L_kd
+        ("full_layer_kd", True, "full", True, True),  # +L_fkd - L_kd
+    )
+}
+
 SPACES = {
     # BERT-JAM M0–M3 (Table 7): each ablation is a registered model whose config is defined by its
     # fields (M1 glu=weighted_sum, M2 bert_layers=last without the GLU phase, M3 no warm-up phase).
@@ -94,34 +109,18 @@ SPACES = {
     "plm_sponsored_loss": SearchSpace(
         STUDY, "plm_sponsored_loss", "plm_sponsored", defaults=DEFAULTS, protocol=FROM_SCRATCH,
         budget=SCRATCH, budgets=SCRATCH_BUDGETS,
-        arms={
-            arm: {"train.kd_alpha": 0.9 if kd else 1.0, "model.kd_teacher": kd, "model.kd_layer": layer,
-                  "model.mlm_loss": mlm, "model.tgt_lm_loss": lt}
-            for arm, kd, layer, mlm, lt in (
-                ("full", True, "half", True, True),  # Our Model
-                ("no_mlm", True, "half", False, True),  # -L_MLM
-                ("no_lt", True, "half", True, False),  # -L_T
-                ("no_kd", False, "half", True, True),  # -L_kd
-                ("no_mlm_kd", False, "half", False, True),  # -L_MLM & L_kd
-                ("nmt_only", False, "half", False, False),  # -L_MLM & L_T & L_kd
-                ("full_layer_kd", True, "full", True, True),  # +L_fkd - L_kd
-            )
-        },
+        arms=PLM_LOSS_ARMS,
         fixed={"model.bert.freeze": False},  # the source BERT is fine-tuned (base configs freeze it)
         reference="full", citation="PLM-sponsored NMT (seed 001), Table 3",
         description="PLM-sponsored loss ablation: MLM, target LM, half-layer KD (vs full-layer KD)"),
-    # Not the paper's: row 9's follow-up (docs/reproduction.md). There KD at α 0.9 cost 1.0 BLEU against no KD
-    # on test_2016. The teacher is all-MiniLM-L6-v2's top layer, trained for a pooled sentence embedding
-    # (replaced-token AUC 0.63; its layer 4: 0.83); the paper's BERT-base has a token-level top layer.
-    # Hypothesis: with layer 4 as r_plm (model.kd_teacher_layer=4) KD no longer costs. Prediction, written
-    # before any run: this arm minus plm_sponsored_loss's no_kd is >= -0.3 BLEU on test_2016. One arm and the
-    # study's control, the same protocol, so its sweep pools with the loss ablation's:
+    # Not the paper's: row 9's follow-up, its hypothesis and prediction in docs/reproduction.md. The full model
+    # with KD from MiniLM's layer 4, whose top layer is trained for a pooled sentence embedding rather than per
+    # token. One arm and the loss ablation's control under its protocol, so the two sweeps pool:
     # nmtcore report --sweep ablations-plm_sponsored_loss --sweep ablations-plm_kd_teacher --against no_kd
     "plm_kd_teacher": SearchSpace(
         STUDY, "plm_kd_teacher", "plm_sponsored", defaults=DEFAULTS, protocol=FROM_SCRATCH,
         budget=SCRATCH, budgets=SCRATCH_BUDGETS,
-        arms={"full_teacher_l4": {"train.kd_alpha": 0.9, "model.kd_teacher": True, "model.kd_layer": "half",
-                                  "model.kd_teacher_layer": 4, "model.mlm_loss": True, "model.tgt_lm_loss": True}},
+        arms={"full_teacher_l4": {**PLM_LOSS_ARMS["full"], "model.kd_teacher_layer": 4}},
         fixed={"model.bert.freeze": False},
         citation="PLM-sponsored NMT (seed 001), Table 3's full model with another KD teacher layer (not in the paper)",
         description="PLM-sponsored full model, KD from MiniLM's layer 4 instead of its top layer"),
