@@ -232,14 +232,14 @@ def set_hidden_dropout(hf_bert: nn.Module, p: float) -> None:
 # ---------------------------------------------------------------------- the frozen KD teacher
 class FrozenTeacher(nn.Module):
     """A frozen copy of the source BERT as built (Section 2.3: "BERT to generate r_plm is frozen as the
-    teacher"); always in eval mode, never trained, not used for decoding. ``layers`` < the BERT's depth keeps
-    only its bottom ``layers`` layers, so r_plm is that layer's state (``model.kd_teacher_layer``)."""
+    teacher"); always in eval mode, never trained, not used for decoding. ``layers`` (``model.kd_teacher_layer``)
+    below the BERT's depth keeps only its bottom ``layers`` layers, so r_plm is that layer's state; 0: all."""
 
-    def __init__(self, hf_bert: nn.Module, layers: int | None = None) -> None:
+    def __init__(self, hf_bert: nn.Module, layers: int = 0) -> None:
         super().__init__()
         self.bert = copy.deepcopy(hf_bert)
         stack = self.bert.encoder.layer
-        self.layers = len(stack) if layers is None else layers
+        self.layers = layers or len(stack)
         if not 1 <= self.layers <= len(stack):
             raise ConfigError(f"model.kd_teacher_layer: the source BERT has {len(stack)} layers, got {layers}")
         if self.layers < len(stack):
@@ -402,7 +402,7 @@ class PlmSponsored(NMTModel):
         if self.encoder_gate is not None:
             self.encoder_gate.ffn_res.norm.eps = eps
         self.src_proj = nn.Linear(h_src, d) if h_src != d else nn.Identity()
-        self.teacher = (FrozenTeacher(self.bert.bert, cfg.kd_teacher_layer or None) if cfg.kd_teacher else None)
+        self.teacher = FrozenTeacher(self.bert.bert, cfg.kd_teacher_layer) if cfg.kd_teacher else None
         self.mlm_head = MLMHead(self.bert.bert.get_input_embeddings(), eps) if cfg.mlm_loss else None
         tok = self.bert.resolved.load_tokenizer() if cfg.mlm_loss else None
         self.mask_token_id = int(tok.mask_token_id) if tok is not None else -1
