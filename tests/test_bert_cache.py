@@ -389,3 +389,25 @@ def test_the_pre_sweep_task_builds_its_truncations_in_its_pass(tmp_path: Path, c
     with caplog.at_level(logging.INFO, logger="nmtcore.bert"):
         assert build_features(shallow)
     assert not any("computed" in r.message for r in caplog.records)
+
+
+def test_the_pre_sweep_task_writes_each_entry_once_when_streams_read_the_same_features(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two streams of a grid that read the same features (BERT-JAM's M0 and M1 read every layer of one BERT) make
+    one entry per split, written once, and the shared pass names only the distinct truncations."""
+    from nmtcore.bert.truncate import truncate
+    from nmtcore.sweep.pre_sweep import build_features
+
+    full_dir = save_tiny_bert(tmp_path / "full", layers=4)
+    cut_dir = truncate("tiny", full_dir, 2, tmp_path / "trunc")
+    deep, twin, shallow = (tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": str(d),
+                                                        "data.max_tokens": 300, "name": n})
+                           for d, n in ((full_dir, "a"), (full_dir, "b"), (cut_dir, "c")))
+    with caplog.at_level(logging.INFO, logger="nmtcore"):
+        assert build_features(deep, shallower=[twin, shallow])
+    written = [r.getMessage() for r in caplog.records if ": computed " in r.getMessage()]
+    splits = prepare_data(deep.data).splits
+    assert len(written) == 2 * len(splits)  # the deep and the cut BERT's entry per split, each once
+    assert len({m.rsplit("-> ", 1)[1] for m in written}) == len(written)
+    same_pass = [r.getMessage() for r in caplog.records if "computed in the same pass" in r.getMessage()]
+    assert len(same_pass) == 1 and same_pass[0].count("layer") == 2, same_pass

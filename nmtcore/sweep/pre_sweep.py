@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from nmtcore.bert import prepare_bert_inputs
 from nmtcore.bert.ensure import ensure_bert_resolved
 from nmtcore.bert.features import FeatureCache
-from nmtcore.bert.layer import attach_shared_features
+from nmtcore.bert.layer import BertLayer, attach_shared_features
 from nmtcore.config import DataConfig, ExperimentConfig
 from nmtcore.data import PreparedData, prepare_data
 from nmtcore.engine import setup_torch
@@ -90,20 +90,40 @@ def build_features(cfg: ExperimentConfig, shallower: Sequence[ExperimentConfig] 
     if layer is None or not layer.cache_wanted:
         return False
     members = [(layer, {name: split.bert for name, split in data.splits.items()})]
+    # Several streams of a grid can read the very same features (BERT-JAM's M0, M1 and M3 all read every layer of
+    # one BERT): one entry each, computed once; a duplicate would write the same entry again.
+    keys = {_split_keys(layer, members[0][1])}
     for other in shallower:
         other_data = prepare_data(other.data)
         if other_data.splits.keys() != data.splits.keys():
             continue
         other_layer = bert_stream_layer(other, other_data, use_cache=False)
         if other_layer is not None and other_layer.cache_wanted and other_layer.truncates(layer):
-            members.append((other_layer, {name: split.bert for name, split in other_data.splits.items()}))
+            streams = {name: split.bert for name, split in other_data.splits.items()}
+            if (split_keys := _split_keys(other_layer, streams)) not in keys:
+                keys.add(split_keys)
+                members.append((other_layer, streams))
     if len(members) > 1:
         log.info("BERT features of %s computed in the same pass (bottom truncations of %s)",
-                 ", ".join(str(m.resolved.spec) for m, _ in members[1:]), layer.resolved.spec)
+                 ", ".join(_layers_label(m) for m, _ in members[1:]), _layers_label(layer))
     cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
     for name in data.splits:
         attach_shared_features(cache, name, [(m, streams[name]) for m, streams in members])
     return True
+
+
+def _split_keys(layer: BertLayer, streams: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The feature-cache key of each split's stream, in split order: equal for two streams that read the same
+    features."""
+    return tuple(layer.features_key(streams[name]) for name in sorted(streams))
+
+
+def _layers_label(layer: BertLayer) -> str:
+    """``minilm layers 0-6``: a BERT stream as the shared pass's log line names it."""
+    picked = list(layer.layers)
+    span = (f"{picked[0]}-{picked[-1]}" if len(picked) > 2 and picked == list(range(picked[0], picked[-1] + 1))
+            else ",".join(map(str, picked)))
+    return f"{layer.resolved.spec} layer{'s' if len(picked) > 1 else ''} {span}"
 
 
 def bert_stream_layer(cfg: ExperimentConfig, data: PreparedData, use_cache: bool = True) -> Any:
