@@ -235,7 +235,8 @@ finally:
 @pytest.mark.slow  # ~30 s: a local Ray cluster
 def test_ctrl_c_during_a_long_pre_sweep_task_stops_it_at_once(tmp_path):
     """A pre-sweep task whose work would run 10 minutes (a feature build of a large BERT): SIGINT to the
-    driver ends the driver within 20 s and leaves no process of the task running; the work did not finish."""
+    driver ends the driver within 45 s (the work's 600 s would not; most of the 45 is the cluster's shutdown, which
+    took 14 s alone and 22 s beside a sweep) and leaves no process of the task running; the work did not finish."""
     import signal
     import time
 
@@ -257,7 +258,7 @@ def test_ctrl_c_during_a_long_pre_sweep_task_stops_it_at_once(tmp_path):
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     out, _ = proc.communicate(timeout=120)
-    assert time.time() - t0 < 20, out[-2000:]
+    assert time.time() - t0 < 45, out[-2000:]
     assert "interrupted" in out and "finished" not in out, out[-3000:]
     assert not _left_running(children), _left_running(children)
 
