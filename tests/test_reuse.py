@@ -4,6 +4,11 @@ counts and ignores, and two sweeps in one store, the second copying the trial th
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +102,45 @@ def test_a_second_sweep_copies_the_trial_the_first_trained(ray_cluster, store, t
     driver.run_sweep(second, base, tiny_settings(tmp_path / "c", "reuse-c", store), log_to_driver=False)
     _, again = runs_of("reuse-c", store)
     assert not any(reuse.REUSED_FROM_TAG in r.tags for r in again) and len(again) == 2
+
+
+def test_a_trial_key_leaves_out_the_other_model_families_files():
+    """Each family's trials hash its own model file and the model files it imports, not another family's: the
+    Transformer's leave out every BERT family's, BERT-fused's keep the Transformer's, PLM-sponsored's keep FWET's."""
+    assert {"nmtcore/models/plm_sponsored.py", "nmtcore/models/bert_fused.py", "nmtcore/models/fwet.py"} \
+        <= reuse.other_family_files("nmtcore.models.transformer")
+    assert "nmtcore/models/transformer.py" not in reuse.other_family_files("nmtcore.models.transformer")
+    assert "nmtcore/models/transformer.py" not in reuse.other_family_files("nmtcore.models.bert_fused")
+    assert "nmtcore/models/bert_jam.py" in reuse.other_family_files("nmtcore.models.bert_fused")
+    plm = reuse.other_family_files("nmtcore.models.plm_sponsored")
+    assert "nmtcore/models/fwet.py" not in plm and "nmtcore/models/transformer.py" in plm
+    assert not set(reuse.SHARED_MODEL_FILES) & plm  # base and registry count for every family
+    with pytest.raises(ValueError, match="not a model family"):
+        reuse.other_family_files("nmtcore.models.registry")
+
+
+def test_a_change_to_one_family_file_changes_only_the_keys_of_the_trials_that_run_it(tmp_path):
+    """On a copy of the package: an added function in PLM-sponsored's file changes its trials' code digest and
+    no Transformer's or BERT-fused's; one in the Transformer's changes the Transformer's and BERT-fused's."""
+    root = Path(reuse.__file__).resolve().parents[2]
+    shutil.copytree(root / "nmtcore", tmp_path / "nmtcore", ignore=shutil.ignore_patterns("__pycache__"))
+    families = ("transformer", "bert_fused", "plm_sponsored")
+    probe = ("import json; from nmtcore.sweep import reuse; "
+             f"print(json.dumps({{f: reuse.trial_code('nmtcore.models.' + f) for f in {families!r}}}))")
+
+    def digests() -> dict[str, str]:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    before = digests()
+    with open(tmp_path / "nmtcore/models/plm_sponsored.py", "a", encoding="utf-8") as f:
+        f.write("\n\ndef _added():\n    return 1\n")
+    after_plm = digests()
+    assert after_plm["plm_sponsored"] != before["plm_sponsored"]
+    assert after_plm["transformer"] == before["transformer"] and after_plm["bert_fused"] == before["bert_fused"]
+    with open(tmp_path / "nmtcore/models/transformer.py", "a", encoding="utf-8") as f:
+        f.write("\n\ndef _added():\n    return 1\n")
+    after_tf = digests()
+    assert after_tf["transformer"] != after_plm["transformer"] and after_tf["bert_fused"] != after_plm["bert_fused"]
+    assert after_tf["plm_sponsored"] == after_plm["plm_sponsored"]  # PLM-sponsored does not build on the Transformer

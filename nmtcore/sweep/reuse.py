@@ -8,7 +8,8 @@ real context). Trained twice, it gives the same results at twice the cost.
 So every trial's run carries a *reuse key* (:func:`reuse_key`), a hash of what decides its results: the config
 but for where it writes and how it logs (:data:`NOT_RESULTS`), the checksums of its data (test sets included),
 the SHA-256 of the weights it starts from, the code that trains, decodes and scores it (the syntax trees of
-``nmtcore`` but its sweep, CLI, tracking and testing layers, docstrings dropped), the versions of the libraries
+``nmtcore`` but its sweep, CLI, tracking and testing layers and the other model families' files, docstrings
+dropped: :func:`trial_code`), the versions of the libraries
 that compute (:data:`LIBRARIES`), and the device with its autocast precision. A sweep that meets a trial whose
 key a finished trial of any sweep in its MLflow store carries copies that run into a child run of its own
 (:func:`copy_trial`: params, every metric's history, the hypotheses and references), tagged
@@ -23,6 +24,7 @@ them): ``nmtcore lengths`` decodes them there.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib.metadata
@@ -36,13 +38,14 @@ import torch
 from nmtcore import tracking
 from nmtcore.config import SPEED_ONLY_KEYS, ExperimentConfig
 from nmtcore.devices import autocast_dtype
+from nmtcore.models import model_class
 from nmtcore.sweep.archive import fill_run, run_record
 from nmtcore.sweep.baseline import code_digest
 from nmtcore.sweep.lifecycle import ROLE_TAG, TRIAL_KEY_TAG, TRIAL_STATE_TAG, TrialState
 from nmtcore.tracking import schema
 from nmtcore.tracking.runs import quote
 
-FORMAT = 1  # bump when the key's meaning changes
+FORMAT = 2  # bump when the key's meaning changes (2: the code leaves out the other model families' files)
 REUSE_KEY_TAG = schema.REUSE_KEY
 REUSED_FROM_TAG = schema.REUSED_FROM
 # Config keys that change no result: where things are read and written, logging, how many threads, how many
@@ -62,10 +65,52 @@ _OWN_TAGS = (TRIAL_KEY_TAG, ROLE_TAG, TRIAL_STATE_TAG, schema.TUNE_TRIAL_ID, sch
              schema.IMPORTED_FROM, REUSED_FROM_TAG, schema.REUSED_FROM_SWEEP, schema.MEMORY_ESTIMATE_GIB)
 
 
-@functools.lru_cache(maxsize=1)
-def trial_code() -> str:
-    """:func:`~nmtcore.sweep.baseline.code_digest` of :data:`CODE` but :data:`NOT_CODE` (once per process)."""
-    return code_digest(CODE, NOT_CODE)
+# The model zoo's files that every family shares; each other file of MODELS is one family's own (or a helper of
+# one, such as FWET's), which a trial of another family never runs (the registry only dispatches to its class).
+MODELS = "nmtcore/models/"
+SHARED_MODEL_FILES = ("nmtcore/models/__init__.py", "nmtcore/models/base.py", "nmtcore/models/registry.py")
+
+
+@functools.lru_cache(maxsize=None)
+def trial_code(family: str = "") -> str:
+    """:func:`~nmtcore.sweep.baseline.code_digest` of :data:`CODE` but :data:`NOT_CODE` (once per process and
+    family). ``family``, the module of the trial's model class (``nmtcore.models.transformer``), also leaves out
+    the model files that module does not import (:func:`other_family_files`): a change to PLM-sponsored's file
+    keeps every Transformer control and BERT-fused arm reusable. ``""``: every file counts."""
+    return code_digest(CODE, NOT_CODE + (tuple(sorted(other_family_files(family))) if family else ()))
+
+
+def other_family_files(module: str) -> set[str]:
+    """The files of :data:`MODELS` (repository paths) but the shared ones and those ``module`` imports from the
+    model zoo, itself included, directly or through another family file it imports (BERT-fused imports the
+    Transformer's; PLM-sponsored FWET's)."""
+    root = Path(__file__).resolve().parents[2]
+    files = {p.relative_to(root).as_posix() for p in (root / MODELS).glob("*.py")} - set(SHARED_MODEL_FILES)
+    own = module.replace(".", "/") + ".py"
+    if own not in files:
+        raise ValueError(f"{module} is not a model family's module under {MODELS}")
+    keep: set[str] = set()
+    todo = [own]
+    while todo:
+        path = todo.pop()
+        if path in keep or path not in files:
+            continue  # a shared file's imports (the registry's: every family) are not followed
+        keep.add(path)
+        todo.extend(name.replace(".", "/") + ".py" for name in _imported_modules(root / path))
+    return files - keep
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The modules a file imports (``import a.b``, ``from a.b import c``: ``a.b``, and ``a.b.c`` in case c is a
+    module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
 
 
 def library_versions() -> dict[str, str]:
@@ -103,7 +148,8 @@ def reuse_key(cfg: ExperimentConfig, data_checksums: Mapping[str, str], device: 
     precision = (f"cuda:{cfg.train.precision}" if device == "cuda"
                  else f"cpu:{autocast_dtype(cfg.train.precision, 'cpu')}")
     blob = json.dumps({"format": FORMAT, "config": {k: v for k, v in cfg.flat().items() if k not in NOT_RESULTS},
-                       "data": dict(data_checksums), "start": start or "none (from scratch)", "code": trial_code(),
+                       "data": dict(data_checksums), "start": start or "none (from scratch)",
+                       "code": trial_code(model_class(cfg.model).__module__),
                        "libraries": library_versions(), "precision": precision, "torch": torch.__version__},
                       sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -138,4 +184,4 @@ def copy_trial(source: tracking.RunRecord, parent_run_id: str, trial_key: str, r
 
 
 __all__ = ["LIBRARIES", "NOT_CODE", "NOT_RESULTS", "REUSED_FROM_TAG", "REUSE_KEY_TAG", "copy_trial",
-           "find_trained", "library_versions", "reuse_key", "trial_code"]
+           "find_trained", "library_versions", "other_family_files", "reuse_key", "trial_code"]
