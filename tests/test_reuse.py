@@ -144,3 +144,11 @@ def test_a_change_to_one_family_file_changes_only_the_keys_of_the_trials_that_ru
     after_tf = digests()
     assert after_tf["transformer"] != after_plm["transformer"] and after_tf["bert_fused"] != after_plm["bert_fused"]
     assert after_tf["plm_sponsored"] == after_plm["plm_sponsored"]  # PLM-sponsored does not build on the Transformer
+    # A family file that code outside the zoo imports counts for every family.
+    (tmp_path / "nmtcore/engine/_uses_plm.py").write_text("from nmtcore.models.plm_sponsored import PlmSponsored\n")
+    after_import = digests()
+    (tmp_path / "nmtcore/engine/_uses_plm.py").unlink()
+    with open(tmp_path / "nmtcore/models/plm_sponsored.py", "a", encoding="utf-8") as f:
+        f.write("\n\ndef _added_again():\n    return 2\n")
+    (tmp_path / "nmtcore/engine/_uses_plm.py").write_text("from nmtcore.models.plm_sponsored import PlmSponsored\n")
+    assert digests()["transformer"] != after_import["transformer"]

@@ -91,7 +91,7 @@ def other_family_files(module: str) -> set[str]:
     if own not in files:
         raise ValueError(f"{module} is not a model family's module under {MODELS}")
     keep: set[str] = set()
-    todo = [own]
+    todo = [own, *_imported_from_outside(root, files)]  # a family file the shared code imports counts for every family
     while todo:
         path = todo.pop()
         if path in keep or path not in files:
@@ -99,6 +99,15 @@ def other_family_files(module: str) -> set[str]:
         keep.add(path)
         todo.extend(name.replace(".", "/") + ".py" for name in _imported_modules(root / path))
     return files - keep
+
+
+def _imported_from_outside(root: Path, files: set[str]) -> list[str]:
+    """The family files of ``files`` that a module of :data:`CODE` outside :data:`MODELS` and :data:`NOT_CODE`
+    imports (none today: the registry is the zoo's one door)."""
+    outside = [p for entry in CODE for p in (root / entry).rglob("*.py")
+               if not p.relative_to(root).as_posix().startswith((MODELS, *NOT_CODE))]
+    return sorted({f for p in outside for f in (name.replace(".", "/") + ".py" for name in _imported_modules(p))
+                   if f in files})
 
 
 def _imported_modules(path: Path) -> set[str]:
