@@ -164,7 +164,14 @@ class FeatureCache:
         """Several entries over the same ``inputs`` from one pass of ``compute``: each loaded if cached, the
         missing ones computed together, entry j keeping the layers ``entries[j].picks`` of what ``compute``
         returns. One pass of a BERT thus serves its bottom truncations (their hidden states are its own).
-        The missing entries' locks are taken in digest order, so two shared builds never wait on each other."""
+        The missing entries' locks are taken in digest order, so two shared builds never wait on each other.
+        Entries with one key (two streams that read the same features) share one store, built once."""
+        first = {e.key: e for e in reversed(entries)}  # each key's first entry
+        if len(first) < len(entries):
+            distinct = [e for e in entries if first[e.key] is e]
+            by_key = dict(zip((e.key for e in distinct),
+                              self.get_or_build_shared(distinct, inputs, compute, batch_tokens)))
+            return [by_key[e.key] for e in entries]
         stores: list[FeatureStore | None] = [self.load(e.key, len(inputs)) for e in entries]
         for e, store in zip(entries, stores):
             if store is not None:

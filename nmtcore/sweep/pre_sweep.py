@@ -90,32 +90,23 @@ def build_features(cfg: ExperimentConfig, shallower: Sequence[ExperimentConfig] 
     if layer is None or not layer.cache_wanted:
         return False
     members = [(layer, {name: split.bert for name, split in data.splits.items()})]
-    # Several streams of a grid can read the very same features (BERT-JAM's M0, M1 and M3 all read every layer of
-    # one BERT): one entry each, computed once; a duplicate would write the same entry again.
-    keys = {_split_keys(layer, members[0][1])}
     for other in shallower:
         other_data = prepare_data(other.data)
         if other_data.splits.keys() != data.splits.keys():
             continue
         other_layer = bert_stream_layer(other, other_data, use_cache=False)
         if other_layer is not None and other_layer.cache_wanted and other_layer.truncates(layer):
-            streams = {name: split.bert for name, split in other_data.splits.items()}
-            if (split_keys := _split_keys(other_layer, streams)) not in keys:
-                keys.add(split_keys)
-                members.append((other_layer, streams))
-    if len(members) > 1:
+            members.append((other_layer, {name: split.bert for name, split in other_data.splits.items()}))
+    # Streams that read the same layers (BERT-JAM's M0, M1 and M3: every layer of one BERT) share one entry.
+    shallower_labels = [label for label in dict.fromkeys(_layers_label(m) for m, _ in members[1:])
+                        if label != _layers_label(layer)]
+    if shallower_labels:
         log.info("BERT features of %s computed in the same pass (bottom truncations of %s)",
-                 ", ".join(_layers_label(m) for m, _ in members[1:]), _layers_label(layer))
+                 ", ".join(shallower_labels), _layers_label(layer))
     cache = FeatureCache(data.cfg.resolved_cache_dir() / "bert_features")
     for name in data.splits:
         attach_shared_features(cache, name, [(m, streams[name]) for m, streams in members])
     return True
-
-
-def _split_keys(layer: BertLayer, streams: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The feature-cache key of each split's stream, in split order: equal for two streams that read the same
-    features."""
-    return tuple(layer.features_key(streams[name]) for name in sorted(streams))
 
 
 def _layers_label(layer: BertLayer) -> str:
