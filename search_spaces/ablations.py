@@ -84,6 +84,16 @@ SPACES = {
         },
         reference="M0_full", citation="Zhang et al. 2020, BERT-JAM, Table 7 (M0-M3)",
         description="BERT-JAM ablation: GLU layer fusion, all BERT layers, three-phase optimisation"),
+    # Not the paper's: row 4's follow-up, its hypothesis and prediction in docs/reproduction.md. M0 with MiniLM's
+    # bottom four layers, so its GLU reads layers 1-4 and starts on layer 4 (Eq. 11), not on the top layer that
+    # all-MiniLM-L6-v2 trains for a pooled sentence embedding. One arm and the control under the study's protocol:
+    # nmtcore report --sweep ablations-bert_jam --sweep ablations-bert_jam_layer4 --against M0_full
+    "bert_jam_layer4": SearchSpace(
+        STUDY, "bert_jam_layer4", "bert_jam", defaults={**DEFAULTS, **BERT_JAM_SMOKE}, budget=BERT_JAM_CONVERGED,
+        budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
+        arms={"M0_layer4": {"model.name": "bert_jam", "model.bert.name": "minilm:L4"}},
+        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 over another BERT's layers (not in the paper)",
+        description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six"),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
