@@ -209,27 +209,39 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
     from nmtcore.sweep.cost import MEASURED_EPOCHS
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True}
+    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.loss_guard": True,
+            "train.valid_bleu": True}
     baseline = tiny_experiment(tmp_path, **rule, **{"data.corpus": "multi30k", "train.max_epochs": 60})
     epochs, why = expected_epochs(baseline, "baseline", uri)
-    assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")] == 16
-    assert "platform's converged transformer runs on multi30k" in why and "at most the cap, 60" in why
+    assert (epochs, True) == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")]
+    assert "platform's converged transformer runs on multi30k" in why and "at most the cap, 60)" in why
+    assert "bound" not in why  # measured under this very rule
     arm = baseline.with_overrides({"model.name": "bert_fused", "model.bert.name": "minilm", "train.max_epochs": 40})
-    assert expected_epochs(arm, "trial", uri)[0] == 12.0
+    assert expected_epochs(arm, "trial", uri)[0] == MEASURED_EPOCHS[("multi30k", "warm", "bert_fused")][0]
     assert "upper bound" in expected_epochs(arm.with_overrides({"train.patience": 5}), "trial", uri)[1]
     assert "upper bound" in expected_epochs(arm.with_overrides({"data.corpus": "iwslt14"}), "trial", uri)[1]
     assert expected_epochs(arm.with_overrides({"train.max_epochs": 8}), "trial", uri)[0] == 8.0  # the cap binds
+    # A trial from scratch converges like a baseline of its model, not like a second stage.
+    scratch = baseline.with_overrides({"model.name": "plm_sponsored"})
+    assert expected_epochs(scratch, "trial", uri, warm=False)[0] == MEASURED_EPOCHS[("multi30k", "scratch", "plm_sponsored")][0]
+    # The loss guard can only lengthen a run: a figure measured with it bounds a run without it from above, and
+    # one measured without it bounds a guarded run from below.
+    epochs, why = expected_epochs(baseline.with_overrides({"train.loss_guard": False}), "baseline", uri)
+    assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0]
+    assert "measured with train.loss_guard" in why and "an upper bound" in why
+    doc = baseline.with_overrides({"data.corpus": "maruf2019_devtest"})
+    epochs, why = expected_epochs(doc, "baseline", uri)
+    assert (epochs, False) == MEASURED_EPOCHS[("maruf2019_devtest", "scratch", "transformer")]
+    assert "measured without train.loss_guard" in why and "a lower bound" in why
+    # A converged run of the kind in the store wins over the platform's figure; one without the guard is not a
+    # run of a guarded kind.
+    unguarded = arm.with_overrides({"train.loss_guard": False})
     with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
-        t.log_config(arm)
+        t.log_config(unguarded)
         for e in range(1, 21):
             t.log_metrics({"epoch": e}, step=e)
-    assert expected_epochs(arm, "trial", uri) == (20.0, "the median of 1 converged trial run of this kind in the store")
-    # The loss guard can only lengthen a run: the measured figure stays, called a lower bound; a stored run without
-    # the guard is not a run of this kind.
-    guarded = baseline.with_overrides({"train.loss_guard": True})
-    epochs, why = expected_epochs(guarded, "baseline", uri)
-    assert epochs == 16 and "measured without train.loss_guard" in why and "a lower bound" in why
-    assert expected_epochs(arm.with_overrides({"train.loss_guard": True}), "trial", uri)[0] == 12.0
+    assert expected_epochs(unguarded, "trial", uri) == (20.0, "the median of 1 converged trial run of this kind in the store")
+    assert expected_epochs(arm, "trial", uri)[0] == MEASURED_EPOCHS[("multi30k", "warm", "bert_fused")][0]
 
 
 def test_the_dry_run_probes_each_bert_of_a_size_grid_once(tmp_path, monkeypatch):
@@ -263,15 +275,19 @@ def test_a_trial_from_scratch_converges_like_a_baseline_not_like_a_second_stage(
     """A study without a shared baseline (PLM-sponsored's loss ablation) trains its control from scratch: it
     converges like a baseline, not like a trial warm-started from one, whose figure the estimate took. The start
     decides which measured figure, and which stored runs, a trial's estimate takes."""
+    from nmtcore.sweep.cost import MEASURED_EPOCHS
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.valid_bleu": True,
             "data.corpus": "multi30k", "train.max_epochs": 60}
     control = tiny_experiment(tmp_path, **rule)
-    assert expected_epochs(control, "trial", uri)[0] == 6.0  # a trial is warm-started unless told otherwise
+    warm, scratch = (MEASURED_EPOCHS[("multi30k", start, "transformer")][0] for start in ("warm", "scratch"))
+    assert warm != scratch
+    assert expected_epochs(control, "trial", uri)[0] == warm  # a trial is warm-started unless told otherwise
     epochs, why = expected_epochs(control, "trial", uri, warm=False)
-    assert epochs == 16.0 and "from-scratch transformer" in why, why
-    assert expected_epochs(control, "trial", uri, warm=True)[0] == 6.0
-    assert expected_epochs(control, "baseline", uri)[0] == 16.0
+    assert epochs == scratch and "from-scratch transformer" in why, why
+    assert expected_epochs(control, "trial", uri, warm=True)[0] == warm
+    assert expected_epochs(control, "baseline", uri)[0] == scratch
 
     def record(cfg, epochs):
         with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
@@ -279,10 +295,10 @@ def test_a_trial_from_scratch_converges_like_a_baseline_not_like_a_second_stage(
             for e in range(1, epochs + 1):
                 t.log_metrics({"epoch": e}, step=e)
 
-    record(control, 19)  # from scratch
+    record(control, 23)  # from scratch
     record(control.with_overrides({"train.init_from": str(tmp_path / "baseline.pt")}), 5)  # a second stage
     assert expected_epochs(control, "trial", uri, warm=False) == (
-        19.0, "the median of 1 converged from-scratch trial run of this kind in the store")
+        23.0, "the median of 1 converged from-scratch trial run of this kind in the store")
     assert expected_epochs(control, "trial", uri, warm=True) == (
         5.0, "the median of 1 converged warm-started trial run of this kind in the store")
 
