@@ -23,10 +23,11 @@ def hyps(quality: float, seed: int) -> list[str]:
 
 
 def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None,
-              stopped_by="patience", diagnostics=None):
+              stopped_by="patience", diagnostics=None, nll=None):
     """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
     ``curves``: (validation losses, validation BLEUs) per epoch instead of the default three epochs; ``stopped_by``
-    the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures."""
+    the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures; ``nll``: {epoch:
+    (training NLL, validation NLL)}, logged as the trainer does (either may be None: not logged that epoch)."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
             "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
@@ -45,6 +46,9 @@ def add_trial(parent, tmp, seed, index, label, quality, values=None, control=Fal
     for epoch, (loss, valid_bleu) in enumerate(zip(losses, bleus), start=1):
         run.log_metrics({"valid_loss": loss, "valid_bleu": valid_bleu,
                          **({"num_updates": updates[0][epoch - 1]} if updates else {})}, step=epoch)
+    for epoch, (train_nll, valid_nll) in (nll or {}).items():
+        run.log_metrics({**({"train_nll": train_nll} if train_nll is not None else {}),
+                         **({"valid_nll": valid_nll} if valid_nll is not None else {})}, step=epoch)
     if state != "complete":
         run.set_tags({lifecycle.TRIAL_STATE_TAG: state, **({tracking.FAILURE_REASON_TAG: "NonFiniteLossError: "
                                                             "non-finite training loss (nan) at update 7"}
@@ -596,3 +600,36 @@ def test_a_sweep_stopped_part_way_says_where_each_unfinished_trial_stands(tmp_pa
                                            "best_epoch": 3}
     finished = stage_sweep(tmp_path, "done", "patience")
     assert "Not finished yet" not in report.render_markdown(results.build_report("done", finished, n_bootstrap=100))
+
+
+def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(tmp_path):
+    """An arm that learns the training set better (lower training NLL) and validates worse than the control
+    overfits: the fit table shows both NLLs at each run's lowest validation NLL and at its last epoch, and the
+    arm's difference from the control, so a reader tells that from an arm that learnt less."""
+    uri = f"sqlite:///{tmp_path / 'fit.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="fit", tags={
+        lifecycle.SWEEP_TAG: "fit", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
+              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
+    # The arm's lowest validation NLL is at epoch 2 (its epoch 3 logged no validation NLL: left out, not
+    # misaligned).
+    add_trial(parent, tmp_path, 1, 1, "bert_jam", 0.5, {"arm": "bert_jam"}, curves=FLAT,
+              nll={1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, None)})
+    parent.end()
+    rep = results.build_report("fit", uri, n_bootstrap=0)
+    fits = {g.label: g.fit for g in rep.groups}
+    assert fits["control"] == [results.Fit(2, 2.0, 2.7, 3, 1.8, 2.75)]
+    assert fits["bert_jam"] == [results.Fit(2, 1.5, 2.8, 2, 1.5, 2.8)]
+    md = report.render_markdown(rep)
+    assert "**How each arm fit the training data**" in md
+    assert "| control | 3.0 | 2.0 | 2.000 | 2.700 | 0.700 | — | — | 1.800 | 2.750 |" in md
+    assert "| bert_jam | 2.0 | 2.0 | 1.500 | 2.800 | 1.300 | -0.500 | +0.100 | 1.500 | 2.800 |" in md
+    assert json.loads(json.dumps(report._to_json(rep)))["fit"]["bert_jam"][0]["train_at_best"] == 1.5
+
+
+def test_a_sweep_whose_runs_logged_no_nll_has_no_fit_table(sweep_store):
+    uri, _ = sweep_store
+    rep = results.build_report("toy", uri, n_bootstrap=0)
+    assert all(not g.fit for g in rep.groups)
+    assert "How each arm fit" not in report.render_markdown(rep)

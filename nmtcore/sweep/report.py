@@ -17,7 +17,9 @@ budget each arm had (epochs, updates, wall time), which rule stopped its runs (`
 stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in
 which any run — or the baseline the arms warm-started from — did not converge opens with one line saying its
 Δs are not an answer. Below the tables, how each arm used BERT
-(:mod:`nmtcore.diagnostics`), and ``valid_curves.png``: every run's validation BLEU per epoch on one plot.
+(:mod:`nmtcore.diagnostics`), how each arm fit its training data against validation (training and validation
+NLL at the lowest validation NLL and at the last epoch: overfitting shows there), and ``valid_curves.png``: every
+run's validation BLEU per epoch on one plot.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
 set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,
@@ -186,6 +188,7 @@ def render_markdown(report: SweepReport) -> str:
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
     lines += rarity_tables(report)
     lines += diagnostics_table(report)
+    lines += fit_table(report)
     lines += unfinished_lines(report)
     tail = [f"- warning: {w}" for w in report.warnings]
     return "\n".join(head + lines + tail) + "\n"
@@ -268,6 +271,41 @@ def diagnostics_table(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
+def fit_table(report: SweepReport) -> list[str]:
+    """How each arm fit its training data against validation (:class:`~nmtcore.sweep.results.Fit`, mean over
+    seeds), one row per arm: what tells an arm that learns less from one that learns the training set and
+    generalises less. Nothing when no run logged both NLLs."""
+    arms = [g for g in report.groups if g.fit]
+    if not arms:
+        return []
+    ref = report.reference if report.reference is not None and report.reference.fit else None
+    lines = ["**How each arm fit the training data** (bits per target token, mean over seeds): the training NLL is "
+             "the epoch's mean as it trained (dropout on, the NMT output's NLL without label smoothing or other loss "
+             "terms), the validation NLL at the epoch's end (dropout off); at the epoch of the lowest validation NLL "
+             "and at the last epoch. `gap`: validation − training NLL at that epoch. Of two arms trained alike, "
+             "the one with the lower training NLL and the higher validation NLL learnt the training set more "
+             "and generalises less."
+             + (f" `Δ vs {ref.label}`: the arm's minus the {ref.label}'s, at each one's lowest validation NLL."
+                if ref is not None else ""), "",
+             "| arm | last epoch | lowest valid NLL at epoch | train NLL there | valid NLL there | gap"
+             + (f" | Δ train vs {ref.label} | Δ valid vs {ref.label}" if ref is not None else "")
+             + " | train NLL, last epoch | valid NLL, last epoch |",
+             "|---|---|---|---|---|---" + ("|---|---" if ref is not None else "") + "|---|---|"]
+
+    def m(g: Any, attr: str) -> float | None:
+        return mean([getattr(f, attr) for f in g.fit])
+
+    for g in arms:
+        cells = [_f(m(g, "last_epoch"), 1), _f(m(g, "best_epoch"), 1), _f(m(g, "train_at_best"), 3),
+                 _f(m(g, "valid_at_best"), 3), _f(m(g, "gap_at_best"), 3)]
+        if ref is not None:
+            cells += ["—" if g is ref else f"{m(g, attr) - m(ref, attr):+.3f}"
+                      for attr in ("train_at_best", "valid_at_best")]
+        cells += [_f(m(g, "train_last"), 3), _f(m(g, "valid_last"), 3)]
+        lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def write_report(report: SweepReport, out_dir: str | os.PathLike) -> list[Path]:
     """Write table.md, table.csv, table.json, report.json and the figures into ``out_dir``; returns the files."""
     out = Path(out_dir)
@@ -311,6 +349,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
             "reused": report.reused(),
+            "fit": {g.label: [dataclasses.asdict(f) for f in g.fit] for g in report.groups if g.fit},
             "unfinished": {g.label: [dataclasses.asdict(p) for p in g.unfinished] for g in report.groups if g.unfinished}}
 
 

@@ -84,6 +84,7 @@ class Group:
     bert_hidden: int | None = None
     bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
     extra: dict[str, list[float]] = field(default_factory=dict)  # the space's report_metrics: last value per run
+    fit: list["Fit"] = field(default_factory=list)  # per completed run that logged both NLLs: training against validation
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
@@ -291,18 +292,48 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                        pooled=[r.name for r in records] if len(parents) > 1 else [])
 
 
-CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates")
+CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates", "train_nll", "valid_nll")
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, dict[int, float]]:
-    """The run's validation loss, validation BLEU and update count by epoch (the step they are logged at; empty
-    where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
+    """The run's validation loss, validation BLEU, update count and the training and validation NLL by epoch (the
+    step they are logged at; empty where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
     its last value."""
     try:
         metrics = tracking.get_run_metrics(run.run_id, uri, keys=CURVE_KEYS)
     except tracking.TrackingError:
         metrics = {}
     return {k: dict(metrics.get(k, [])) for k in CURVE_KEYS}  # sorted by step, then by time: the last one wins
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a run fit its training data against how it did on validation, in bits per target token: the training
+    NLL (the epoch's mean as it trained, dropout on) and the validation NLL (at the epoch's end, dropout off), at the
+    epoch of the lowest validation NLL and at the last epoch. Of two runs trained alike, the one with the lower
+    training NLL and the higher validation NLL fits the training set more and generalises less."""
+
+    best_epoch: int  # 1-based: the epoch of the lowest validation NLL
+    train_at_best: float
+    valid_at_best: float
+    last_epoch: int
+    train_last: float
+    valid_last: float
+
+    @property
+    def gap_at_best(self) -> float:
+        return self.valid_at_best - self.train_at_best
+
+    @classmethod
+    def of(cls, curves: Mapping[str, Mapping[int, float]]) -> "Fit | None":
+        """From a run's curves by epoch (:func:`_valid_curves`); None unless some epoch logged both NLLs."""
+        train, valid = curves.get("train_nll", {}), curves.get("valid_nll", {})
+        both = sorted(e for e in valid if e in train and not (math.isnan(train[e]) or math.isnan(valid[e])))
+        if not both:
+            return None
+        best = min(both, key=lambda e: (valid[e], e))
+        last = both[-1]
+        return cls(int(best), train[best], valid[best], int(last), train[last], valid[last])
 
 
 def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]) -> Progress:
@@ -367,6 +398,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
                                    or bleu_still_rising(curve.get("valid_bleu", [])))
         g.stopped_by.append(r.tags.get(STOPPED_BY_TAG, "unrecorded"))
         g.curves.append((seed, curve))
+        fit = Fit.of(curves.get(r.run_id, {}))
+        if fit is not None:
+            g.fit.append(fit)
         for name, value in r.metrics.items():
             if name.startswith(DIAGNOSTICS_PREFIX):
                 g.diagnostics.setdefault(name[len(DIAGNOSTICS_PREFIX):], []).append(value)
