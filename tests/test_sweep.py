@@ -425,7 +425,11 @@ def test_the_control_plane_of_a_local_cluster_runs_below_its_trials(monkeypatch)
         monkeypatch.setattr(rb_cluster, "_local_cluster_pid", None)  # a joined cluster, or none
         assert ray_backend.yield_control_plane() == 0 and nices(daemon.pid) == {base}
         monkeypatch.setattr(rb_cluster, "_local_cluster_pid", os.getpid())
-        assert ray_backend.yield_control_plane() >= 2  # the daemon's two threads at least
+        changed = ray_backend.yield_control_plane()
+        if base < ray_backend.CONTROL_PLANE_NICE:
+            assert changed >= 2  # the daemon's two threads at least
+        else:  # the suite itself runs at the control plane's nice or lower priority: nothing to lower
+            assert changed == 0
         assert nices(daemon.pid) == {max(base, ray_backend.CONTROL_PLANE_NICE)}
         assert nices(worker.pid) == {base}
         assert ray_backend.yield_control_plane() == 0  # once is enough
