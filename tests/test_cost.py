@@ -355,3 +355,24 @@ def test_a_resumed_sweep_is_estimated_by_what_is_left_of_it(tmp_path, monkeypatc
     assert left.seconds < fresh.seconds
     # a new sweep's store, or another sweep's, knows no trial of this one
     assert cost.sweep_progress("0" * 32, uri) == {}
+
+
+def test_runs_trained_with_another_dropout_are_a_guess_not_a_run_of_this_kind(tmp_path):
+    """BERT-JAM at dropout 0.3 was estimated from its runs at 0.1 as if they were its own kind: a stored run that
+    differs in a training setting that decides how long it takes to converge (dropout, learning rate, warm-up,
+    label smoothing) counts only when no run of the kind is there, and the estimate says it is a guess."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.loss_guard": True,
+            "train.valid_bleu": True, "data.corpus": "iwslt14", "train.max_epochs": 60, "model.dropout": 0.1}
+    at_01 = tiny_experiment(tmp_path, **rule)
+    with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
+        t.log_config(at_01)
+        for e in range(1, 30):
+            t.log_metrics({"epoch": e}, step=e)
+    assert expected_epochs(at_01, "trial", uri, warm=False) == (
+        29.0, "the median of 1 converged from-scratch trial run of this kind in the store")
+    for other in ({"model.dropout": 0.3}, {"train.lr": 3e-4}, {"train.warmup_updates": 4000}):
+        epochs, why = expected_epochs(at_01.with_overrides(other), "trial", uri, warm=False)
+        assert epochs == 29.0 and "trained with other settings" in why and "a guess" in why, (other, why)
+    # another model, or another rule, is no guess at all: the cap
+    assert "upper bound" in expected_epochs(at_01.with_overrides({"train.patience": 5}), "trial", uri, warm=False)[1]

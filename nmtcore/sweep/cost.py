@@ -61,6 +61,9 @@ MEASURED_EPOCHS = {
     ("maruf2019_devtest", "warm", "transformer"): (8, True),
     ("maruf2019_devtest", "warm", "doc_context"): (7, True),
 }
+# What else decides how long a run takes to converge: a stored run that differs in one of these is of another kind
+# (BERT-JAM at dropout 0.3 took its epochs from runs at 0.1 until 2026-12-05), used only when none matches.
+TRAINING_SETTINGS = ("model.dropout", "train.lr", "train.warmup_updates", "train.label_smoothing")
 MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs: metric, patience, gain
 
 
@@ -211,6 +214,11 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     if epochs:
         return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {start(warm)}{role} run"
                                                   f"{'s' * (len(epochs) > 1)} of this kind in the store")
+    epochs = converged_epochs(cfg, role, tracking_uri, warm, settings=False)
+    if epochs:  # the same model and rule, trained otherwise (another dropout, say): closer than the cap, not sure
+        return float(statistics.median(epochs)), (
+            f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of this model "
+            f"in the store trained with other settings ({', '.join(TRAINING_SETTINGS)}): a guess")
     warm = (role == "trial") if warm is None else warm
     measured, guarded = MEASURED_EPOCHS.get((cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name),
                                             (None, False))
@@ -225,17 +233,18 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
 
 
 def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
-                     warm: bool | None = None) -> list[int]:
+                     warm: bool | None = None, settings: bool = True) -> list[int]:
     """Epochs of the finished runs in the store that the patience rule stopped and that trained as ``cfg`` would
-    (same model, role, train/valid splits, stopping rule and epoch cap; with ``warm`` given, only the runs that
-    started from other weights (``train.init_from``), or only those that did not)."""
+    (same model, role, train/valid splits, stopping rule and epoch cap, and with ``settings`` the same
+    :data:`TRAINING_SETTINGS`; with ``warm`` given, only the runs that started from other weights
+    (``train.init_from``), or only those that did not)."""
     from nmtcore import tracking
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
 
     flat, defaults = cfg.flat(), ExperimentConfig().flat()
     same = ("model.name", "data.train_split", "data.valid_split", "train.stop_metric", "train.patience",
-            "train.min_delta", "train.loss_guard", "train.max_epochs")
+            "train.min_delta", "train.loss_guard", "train.max_epochs") + (TRAINING_SETTINGS if settings else ())
     query = " and ".join([f"tags.`{ROLE_TAG}` = '{role}'", f"tags.`{STOPPED_BY_TAG}` = 'patience'",
                           "attributes.status = 'FINISHED'"])
     try:
