@@ -633,3 +633,55 @@ def test_a_sweep_whose_runs_logged_no_nll_has_no_fit_table(sweep_store):
     rep = results.build_report("toy", uri, n_bootstrap=0)
     assert all(not g.fit for g in rep.groups)
     assert "How each arm fit" not in report.render_markdown(rep)
+
+
+def test_the_curves_figure_draws_training_against_validation_nll_and_marks_where_phases_begin(tmp_path):
+    """With both NLLs logged the figure gets a third panel, training (dashed) against validation (solid) per run;
+    a phased run's BLEU curve carries a bar at each epoch where a new phase began, and only there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as real_plt
+
+    from nmtcore.sweep import figures
+
+    uri = f"sqlite:///{tmp_path / 'curves.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="curves", tags={
+        lifecycle.SWEEP_TAG: "curves", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
+              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
+    add_trial(parent, tmp_path, 1, 1, "M0_full", 0.5, {"arm": "M0_full"}, curves=FLAT,
+              nll={1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
+    m0 = next(r for r in lifecycle.sweep_children(parent.run_id, uri) if r.tags[lifecycle.ARM_TAG] == "M0_full")
+    tracker = tracking.Tracker(uri, run_id=m0.run_id)
+    for epoch, phase in ((1, 1.0), (2, 1.0), (3, 2.0)):  # phase 2 begins at epoch 3
+        tracker.log_metrics({"phase": phase}, step=epoch)
+    parent.end()
+    rep = results.build_report("curves", uri, n_bootstrap=0)
+
+    drawn: dict = {}
+
+    class Recording:  # pyplot, recording the panels and the phase bars
+        def __getattr__(self, name):
+            return getattr(real_plt, name)
+
+        def subplots(self, *args, **kwargs):
+            fig, axes = real_plt.subplots(*args, **kwargs)
+            drawn["panels"] = len(axes)
+            for ax in axes:
+                plot = ax.plot
+
+                def recorded(*a, _plot=plot, _ax=ax, **k):
+                    drawn.setdefault("calls", []).append((list(axes).index(_ax), list(a[0]), k.get("marker"),
+                                                          k.get("linestyle")))
+                    return _plot(*a, **k)
+                ax.plot = recorded
+            return fig, axes
+
+    path = figures._valid_curves(rep, tmp_path / "curves.png", Recording())
+    assert path.stat().st_size > 5000 and drawn["panels"] == 3
+    bars = [(panel, xs) for panel, xs, marker, _ in drawn["calls"] if marker == "|"]
+    assert bars == [(0, [3])]  # M0's phase 2, on the BLEU panel; the control has no phases
+    nll_lines = sorted(style for panel, _, _, style in drawn["calls"] if panel == 2)
+    assert nll_lines == ["-", "-", "--", "--"]  # each run's validation and training NLL

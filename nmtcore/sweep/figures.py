@@ -6,7 +6,8 @@
 * ``curve.png`` for one-dimensional numeric sweeps (θ, p_net, α): BLEU (mean ± sd over seeds) against the
   key, the control as a horizontal band;
 * ``bleu_vs_cost.png`` always;
-* ``valid_curves.png``: every run's validation BLEU (and loss) per epoch, arms and control on one plot.
+* ``valid_curves.png``: every run's validation BLEU (and loss) per epoch, arms and control on one plot, with its
+  training against its validation NLL where the runs logged both, and where each phase of a phased run begins.
 
 One figure per test set would repeat the story; the figures use the report's first test set.
 """
@@ -41,12 +42,17 @@ def figures(report: SweepReport, out: Path) -> list[Path]:
 
 
 def _valid_curves(report: SweepReport, path: Path, plt: Any) -> Path:
-    """Validation BLEU and loss against the epoch, one colour per arm (the control black), one line per seed."""
+    """Validation BLEU and loss against the epoch, one colour per arm (the control black), one line per seed; a
+    third panel, where the runs logged them, the training NLL (dashed) beside the validation NLL (solid): a run
+    whose training NLL falls below another's while its validation NLL rises above it overfits. A phased run's
+    phases begin where its BLEU curve has a bar."""
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     arms = [g for g in report.groups if g.curves]
+    nll = any(curve.get("train_nll") and curve.get("valid_nll") for g in arms for _, curve in g.curves)
+    fig, axes = plt.subplots(1, 3 if nll else 2, figsize=(18 if nll else 12, 4.2))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    phased, top = False, 0.0  # top: the NLL panel's highest value after the first two epochs (they dwarf the rest)
     for i, g in enumerate(arms):
         colour = "k" if g.control else colours[i % len(colours)]
         for j, (seed, curve) in enumerate(g.curves):
@@ -55,13 +61,31 @@ def _valid_curves(report: SweepReport, path: Path, plt: Any) -> Path:
                 if ys:
                     ax.plot(range(1, len(ys) + 1), ys, color=colour, marker=".", alpha=0.85,
                             label=g.label if j == 0 else None)
-    for ax, label in ((axes[0], "validation BLEU (greedy)"), (axes[1], "validation loss (bits)")):
+            bleu, phase = curve.get("valid_bleu") or [], curve.get("phase") or []
+            starts = [e for e in range(1, min(len(phase), len(bleu))) if phase[e] != phase[e - 1]]
+            if starts:
+                phased = True
+                axes[0].plot([e + 1 for e in starts], [bleu[e] for e in starts], linestyle="none", marker="|",
+                             markersize=16, markeredgewidth=2, color=colour)
+            if nll:
+                for key, style in (("train_nll", "--"), ("valid_nll", "-")):
+                    ys = curve.get(key) or []
+                    if ys:
+                        axes[2].plot(range(1, len(ys) + 1), ys, color=colour, linestyle=style, alpha=0.85)
+                        top = max([top, *ys[2:]])
+    labels = ["validation BLEU (greedy)" + ("; | a phase begins" if phased else ""), "validation loss (bits)"]
+    if nll:
+        labels.append("NLL (bits/token): training --, validation —")
+    for ax, label in zip(axes, labels):
         ax.set_xlabel("epoch of the run")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[0].legend(fontsize=8)
+    if nll and top > 0:
+        axes[2].set_ylim(top=top * 1.05)
+    if arms:
+        axes[0].legend(fontsize=8)
     fig.suptitle(f"{report.sweep}: validation curves, every run")
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")

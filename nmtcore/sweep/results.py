@@ -292,12 +292,12 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                        pooled=[r.name for r in records] if len(parents) > 1 else [])
 
 
-CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates", "train_nll", "valid_nll")
+CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates", "train_nll", "valid_nll", "phase")
 
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, dict[int, float]]:
-    """The run's validation loss, validation BLEU, update count and the training and validation NLL by epoch (the
-    step they are logged at; empty where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
+    """The run's validation loss, validation BLEU, update count, training and validation NLL and phase (phased
+    studies) by epoch (the step they are logged at; empty where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
     its last value."""
     try:
         metrics = tracking.get_run_metrics(run.run_id, uri, keys=CURVE_KEYS)
