@@ -102,6 +102,17 @@ SPACES = {
         arms={"M0_layer4": {"model.name": "bert_jam", "model.bert.name": "minilm:L4"}},
         citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 over another BERT's layers (not in the paper)",
         description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six"),
+    # Not the paper's: row 4's second follow-up (docs/reproduction.md). The authors' fairseq leaves the frozen BERT's
+    # dropout on in phases 1-2, where the platform serves eval-mode features from its cache: M0 with BERT's own
+    # dropout on while frozen (the cache is then off, BERT runs every step), against the control under the study's
+    # protocol: nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_bert_dropout --against M0_full
+    "bert_jam_bert_dropout": SearchSpace(
+        STUDY, "bert_jam_bert_dropout", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
+        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
+        arms={"M0_bert_dropout": {"model.name": "bert_jam", "model.bert.dropout_when_frozen": True}},
+        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 with the authors' code's BERT dropout in phases 1-2 "
+                 "(not in the paper)",
+        description="BERT-JAM M0 with BERT's dropout on while it is frozen, as the authors' code runs it"),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
