@@ -95,17 +95,18 @@ SPACES = {
     # Not the paper's: row 4's follow-up, its hypothesis and prediction in docs/reproduction.md. M0 with MiniLM's
     # bottom four layers, so its GLU reads layers 1-4 and starts on layer 4 (Eq. 11), not on the top layer that
     # all-MiniLM-L6-v2 trains for a pooled sentence embedding. One arm and the control under the study's protocol:
-    # nmtcore report --sweep ablations-bert_jam --sweep ablations-bert_jam_layer4 --against M0_full
+    # nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_layer4 --against M0_full
     "bert_jam_layer4": SearchSpace(
-        STUDY, "bert_jam_layer4", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE}, budget=BERT_JAM_CONVERGED,
-        budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
+        STUDY, "bert_jam_layer4", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
+        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
         arms={"M0_layer4": {"model.name": "bert_jam", "model.bert.name": "minilm:L4"}},
         citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 over another BERT's layers (not in the paper)",
         description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six"),
     # Not the paper's: row 4's second follow-up (docs/reproduction.md). The authors' fairseq leaves the frozen BERT's
     # dropout on in phases 1-2, where the platform serves eval-mode features from its cache: M0 with BERT's own
     # dropout on while frozen (the cache is then off, BERT runs every step), against the control under the study's
-    # protocol: nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_bert_dropout --against M0_full
+    # protocol:
+    # nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_bert_dropout --against M0_full
     "bert_jam_bert_dropout": SearchSpace(
         STUDY, "bert_jam_bert_dropout", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
         budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,

@@ -223,7 +223,8 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
     assert expected_epochs(arm.with_overrides({"train.max_epochs": 8}), "trial", uri)[0] == 8.0  # the cap binds
     # A trial from scratch converges like a baseline of its model, not like a second stage.
     scratch = baseline.with_overrides({"model.name": "plm_sponsored"})
-    assert expected_epochs(scratch, "trial", uri, warm=False)[0] == MEASURED_EPOCHS[("multi30k", "scratch", "plm_sponsored")][0]
+    measured = MEASURED_EPOCHS[("multi30k", "scratch", "plm_sponsored")][0]
+    assert expected_epochs(scratch, "trial", uri, warm=False)[0] == measured
     # The loss guard can only lengthen a run: a figure measured with it bounds a run without it from above, and
     # one measured without it bounds a guarded run from below.
     epochs, why = expected_epochs(baseline.with_overrides({"train.loss_guard": False}), "baseline", uri)
@@ -240,7 +241,8 @@ def test_a_fresh_store_takes_the_platforms_measured_epochs_not_the_cap(tmp_path)
         t.log_config(unguarded)
         for e in range(1, 21):
             t.log_metrics({"epoch": e}, step=e)
-    assert expected_epochs(unguarded, "trial", uri) == (20.0, "the median of 1 converged trial run of this kind in the store")
+    assert expected_epochs(unguarded, "trial", uri) == (
+        20.0, "the median of 1 converged trial run of this kind in the store")
     assert expected_epochs(arm, "trial", uri)[0] == MEASURED_EPOCHS[("multi30k", "warm", "bert_fused")][0]
 
 

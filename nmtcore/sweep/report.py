@@ -19,7 +19,7 @@ which any run — or the baseline the arms warm-started from — did not converg
 Δs are not an answer. Below the tables, how each arm used BERT
 (:mod:`nmtcore.diagnostics`), how each arm fit its training data against validation (training and validation
 NLL at the lowest validation NLL and at the last epoch: overfitting shows there), and ``valid_curves.png``: every
-run's validation BLEU per epoch on one plot.
+run's validation BLEU, loss and (where logged) training against validation NLL per epoch on one figure.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
 set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,

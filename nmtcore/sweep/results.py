@@ -84,7 +84,7 @@ class Group:
     bert_hidden: int | None = None
     bert_quality: float | None = None  # nmtcore.bert.quality figure (replaced-token detection AUC, chance 0.5)
     extra: dict[str, list[float]] = field(default_factory=dict)  # the space's report_metrics: last value per run
-    fit: list["Fit"] = field(default_factory=list)  # per completed run that logged both NLLs: training against validation
+    fit: list["Fit"] = field(default_factory=list)  # per completed run that logged both NLLs: training vs validation
     phases: list[str] = field(default_factory=list)  # phased studies: per completed run, phase starts and stop reason
     tested: list[str] = field(default_factory=list)  # phased studies: per completed run, the weights it tested
     comparisons: dict[str, Comparison] = field(default_factory=dict)  # test set → against the reference
@@ -297,8 +297,8 @@ CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates", "train_nll", "valid_nll
 
 def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, dict[int, float]]:
     """The run's validation loss, validation BLEU, update count, training and validation NLL and phase (phased
-    studies) by epoch (the step they are logged at; empty where not logged). An epoch logged twice, by an attempt before a resume and by the resumed one, counts once:
-    its last value."""
+    studies) by epoch (the step they are logged at; empty where not logged). An epoch logged twice, by an attempt
+    before a resume and by the resumed one, counts once: its last value."""
     try:
         metrics = tracking.get_run_metrics(run.run_id, uri, keys=CURVE_KEYS)
     except tracking.TrackingError:
