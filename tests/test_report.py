@@ -602,20 +602,26 @@ def test_a_sweep_stopped_part_way_says_where_each_unfinished_trial_stands(tmp_pa
     assert "Not finished yet" not in report.render_markdown(results.build_report("done", finished, n_bootstrap=100))
 
 
+def nll_sweep(tmp_path, name: str, arm: str, arm_nll: dict) -> tuple[str, tracking.Tracker]:
+    """A control and one arm, both with training and validation NLLs per epoch (the control's fixed, the arm's
+    ``arm_nll``); returns the store and the parent run, still open."""
+    uri = f"sqlite:///{tmp_path / (name + '.db')}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
+        lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
+              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
+    add_trial(parent, tmp_path, 1, 1, arm, 0.5, {"arm": arm}, curves=FLAT, nll=arm_nll)
+    return uri, parent
+
+
 def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(tmp_path):
     """An arm that learns the training set better (lower training NLL) and validates worse than the control
     overfits: the fit table shows both NLLs at each run's lowest validation NLL and at its last epoch, and the
     arm's difference from the control, so a reader tells that from an arm that learnt less."""
-    uri = f"sqlite:///{tmp_path / 'fit.db'}"
-    parent = tracking.Tracker(uri, experiment="sweeps", run_name="fit", tags={
-        lifecycle.SWEEP_TAG: "fit", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
-        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
-    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
-              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
     # The arm's lowest validation NLL is at epoch 2 (its epoch 3 logged no validation NLL: left out, not
     # misaligned).
-    add_trial(parent, tmp_path, 1, 1, "bert_jam", 0.5, {"arm": "bert_jam"}, curves=FLAT,
-              nll={1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, None)})
+    uri, parent = nll_sweep(tmp_path, "fit", "bert_jam", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, None)})
     parent.end()
     rep = results.build_report("fit", uri, n_bootstrap=0)
     fits = {g.label: g.fit for g in rep.groups}
@@ -645,14 +651,7 @@ def test_the_curves_figure_draws_training_against_validation_nll_and_marks_where
 
     from nmtcore.sweep import figures
 
-    uri = f"sqlite:///{tmp_path / 'curves.db'}"
-    parent = tracking.Tracker(uri, experiment="sweeps", run_name="curves", tags={
-        lifecycle.SWEEP_TAG: "curves", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
-        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
-    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
-              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
-    add_trial(parent, tmp_path, 1, 1, "M0_full", 0.5, {"arm": "M0_full"}, curves=FLAT,
-              nll={1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
+    uri, parent = nll_sweep(tmp_path, "curves", "M0_full", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
     m0 = next(r for r in lifecycle.sweep_children(parent.run_id, uri) if r.tags[lifecycle.ARM_TAG] == "M0_full")
     tracker = tracking.Tracker(uri, run_id=m0.run_id)
     for epoch, phase in ((1, 1.0), (2, 1.0), (3, 2.0)):  # phase 2 begins at epoch 3
