@@ -179,3 +179,26 @@ def test_the_driver_ends_a_trial_the_scheduler_stopped_as_stopped_early(tmp_path
     assert stopped.tags[schema.STOPPED_AT_EPOCH] == "2.0"
     assert stopped.tags[tracking.FAILURE_REASON_TAG] == "stopped early by the scheduler at epoch 2"
     assert (complete.status, complete.tags[lifecycle.TRIAL_STATE_TAG]) == ("FINISHED", "complete")
+
+
+def test_the_checkpoint_links_are_removed_when_the_report_stops_the_trial(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tune stops a trial inside its report (``sys.exit``): the directory of hard links the report handed over was
+    left in the temp folder each time, and each kept a checkpoint's data alive after the trial had rotated it out,
+    until the disk filled."""
+    handed: list[Path] = []
+
+    def tune_report(metrics, checkpoint=None):
+        handed.append(Path(checkpoint.path))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(rb_trial.tune, "report", tune_report)
+    monkeypatch.setattr(rb_trial.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    checkpoint = _epoch_file(tmp_path / "checkpoints", 3)
+    report = rb_trial._RayReport("valid_bleu", in_actor=True, reported_epoch=2)
+    with pytest.raises(SystemExit):
+        report.on_epoch_end(SimpleNamespace(), 3, _history(3)[-1], checkpoint)
+    assert len(handed) == 1 and not handed[0].exists()
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert checkpoint.exists()  # the trial's own checkpoint stays

@@ -239,13 +239,17 @@ class _RayReport(Callback):
         if checkpoint is None:
             self.report(report)
             return
-        # Hard links (not copies) into a fresh directory Ray uploads and then deletes.
+        # Hard links (not copies) into a fresh directory Ray uploads and then deletes. Removed here too, also when
+        # the report is where Tune stops the trial (it raises): a link left behind keeps a rotated-out checkpoint's
+        # data on disk.
         tmp = Path(tempfile.mkdtemp(prefix="nmtcore-ckpt-"))
-        for src in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
-            if src.exists():
-                _link_or_copy(src, tmp / src.name)
-        self.report(report, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            for src in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
+                if src.exists():
+                    _link_or_copy(src, tmp / src.name)
+            self.report(report, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
         """To Tune where the trial trains in its actor (Tune copies a checkpoint into the trial's directory and
