@@ -8,7 +8,7 @@ study fails up front with "model '...' is not registered", and ``tests/test_sear
 every key against the real config class as soon as it is.
 
 **BERT-JAM M0–M3 to convergence** (the default budget, ``converged``), at the paper's dropout 0.3 (arms and control;
-since 2026-12-05, after a converged run at the platform's 0.1 overfit). The paper trains "until convergence in
+a converged run at the platform's 0.1 overfit). The paper trains "until convergence in
 the first two phases" (its 40/10/10 epochs on IWSLT'14 are what that took there) and stops phase 3 on the
 validation loss, with the averaged window's lowest point in its middle. ``train.phases_converge`` runs every phase
 until the platform's patience rule fires in it (counted from the phase's start: the baseline's rule, greedy
@@ -16,9 +16,7 @@ validation BLEU, patience 3, minimum gain 0.1, under the loss guard), then the n
 the run. The tested weights average the last 6 epochs of phase 3 (``train.average_last``: twice the patience, so
 the best epoch sits mid-window, as the paper's rule puts it). The control trains from scratch under the same rule
 and averages its own last 6 epochs. Cap: 60 epochs a run (a run the cap stops is flagged, not converged). What it
-costs on 2 cores: ``docs/reproduction.md``, row 4 (at dropout 0.1, two trials at a time on a 2-core bf16 host: about
-3.5-4.5 min an epoch for an arm in phases 1-2, about 6 in phase 3, 1.6 min for the control; M0 took 29 epochs,
-122 min).
+costs on 2 cores: ``docs/reproduction.md``, row 4.
 
 **BERT-JAM M0–M3 on a CPU budget** (``--budget scaled``, the earlier one). Every arm runs all of its phases (a
 budget shorter than a schedule is refused, never cut): the paper's 40/10/10 epochs (M2, M3: 50/10) scaled by
@@ -47,8 +45,7 @@ STUDY = "ablations"
 DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 # BERT-JAM's paper trains at dropout 0.3 (Section 3.2: "The dropout ratio is set to 0.3"; the authors' IWSLT runs
 # pass --dropout 0.3), arms and Transformer alike; multi30k_small's 0.1 is the platform's peer-benchmark setting.
-# At 0.1 (2026-12-05) M0 fit the training set better than its control and validated worse (docs/reproduction.md,
-# row 4). In the defaults, so the control trains at it too and a resumed sweep keeps what it started with.
+# At 0.1 M0 fit the training set better than its control and validated worse (docs/reproduction.md, row 4). In the defaults, so the control trains at it too and a resumed sweep keeps what it started with.
 BERT_JAM_DEFAULTS = {**DEFAULTS, "model.dropout": 0.3}
 # BERT-JAM's three phases on a CPU budget (see the module docstring). The smoke-sized version is the study's
 # default (smoke tests keep defaults, not budgets); real runs take the budget, which overrides it.

@@ -50,13 +50,14 @@ a reason:
   dropout in every phase; the paper says nothing of it. ``model.bert.dropout_when_frozen=true`` does the same here
   (the cache is then off).
 - **Learning rate and warm-up.** The paper's are 5e-4 after 4k warm-up updates (Eq. 12); the studies run the
-  platform's Multi30k setting, 1e-3 after 400, model and control alike: 4k updates are 34 epochs of Multi30k.
-  Phase 3 therefore fine-tunes BERT at about 3.7e-4, where the authors' schedule gives 1.3-2.6e-4. The dropout,
+  platform's Multi30k setting, 1e-3 after 400, model and control alike: 4k warm-up updates would be most of a
+  Multi30k run. Phase 3 therefore fine-tunes BERT at a higher rate than the authors' schedule gives. The dropout,
   the paper's 0.3, is the study's (``search_spaces/ablations.py``), not the preset's 0.1.
 - **Initial scale of the joint attention.** The primary projections are one fused matrix initialised as the
   platform's self-attention (Xavier, gain 2^-½), the BERT projections with gain 1 (2^-½ when BERT's width is the
-  model's); the authors initialise every projection with gain 1. Over MiniLM's top layer, BERT's keys and values start
-  about 0.84 the size of the layer's own here, about 0.5 there. The paper does not specify an initialisation.
+  model's); the authors initialise every projection with gain 1, so here BERT's keys and values start larger
+  beside the layer's own than theirs do (the figures: ``docs/reproduction.md``, row 4). The paper does not
+  specify an initialisation.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ MEASURED_EPOCHS = {
     ("maruf2019_devtest", "warm", "doc_context"): (7, True),
 }
 # What else decides how long a run takes to converge: a stored run that differs in one of these is of another kind
-# (BERT-JAM at dropout 0.3 took its epochs from runs at 0.1 until 2026-12-05), used only when none matches.
+# (so BERT-JAM at dropout 0.3 does not take its epochs from runs at 0.1 as its own), used only when none matches.
 TRAINING_SETTINGS = ("model.dropout", "train.lr", "train.warmup_updates", "train.label_smoothing")
 # The TRAINING_SETTINGS of every MEASURED_EPOCHS run (multi30k_small's); a run set otherwise takes them as a guess.
 MEASURED_SETTINGS = {"model.dropout": 0.1, "train.lr": 1e-3, "train.warmup_updates": 400, "train.label_smoothing": 0.1}
