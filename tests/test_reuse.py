@@ -16,7 +16,7 @@ import torch
 
 from nmtcore import tracking
 from nmtcore.config import preset
-from nmtcore.sweep import cost, driver, lifecycle, reuse
+from nmtcore.sweep import archive, cost, driver, lifecycle, reuse
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
 from nmtcore.tracking import schema
 from search_spaces import SearchSpace, grid
@@ -98,6 +98,16 @@ def test_a_second_sweep_copies_the_trial_the_first_trained(ray_cluster, store, t
     # The report says which row is a copy, and of what.
     table = (tmp_path / "b" / "report" / "table.md").read_text()
     assert "not trained again" in table and original.run_id in table and "reuse-a" in table
+    # A finished trial outlives its machine: the first sweep exported, imported into an empty store (another
+    # machine's), and its trial is found there as in its own store (docs/sweeps.md, "Across machines").
+    other = f"sqlite:///{tmp_path / 'mlflow-other.db'}"
+    tracking.Tracker(other, experiment="warmup").end()
+    archive.import_sweep(archive.export_sweep("reuse-a", tmp_path / "reuse-a.json.gz", store).where, other)
+    found = reuse.find_trained(copy.tags[reuse.REUSE_KEY_TAG], other)
+    assert found is not None and found.tags[archive.IMPORTED_FROM_TAG] == original.run_id
+    moved = cost.dry_run(second, base, dataclasses.replace(settings, tracking_uri=other), progress=lambda line: None)
+    assert len(moved.runs) == 1 and "1 trained before: copied" in next(p for p in moved.phases
+                                                                      if p.name == "trials").detail
     # Turned off, the same trial trains again.
     driver.run_sweep(second, base, tiny_settings(tmp_path / "c", "reuse-c", store), log_to_driver=False)
     _, again = runs_of("reuse-c", store)
