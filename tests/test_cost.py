@@ -397,3 +397,14 @@ def test_the_platforms_measured_epochs_at_other_settings_are_a_guess(tmp_path):
     epochs, why = expected_epochs(cfg.with_overrides({"model.dropout": 0.3}), "trial", uri, warm=False)
     assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "bert_jam")][0]
     assert "they trained with model.dropout=0.1: a guess" in why, why
+    # A kind measured at these very settings takes that figure as its own.
+    from nmtcore.sweep.cost import MEASURED_EPOCHS_AT
+
+    at_03 = MEASURED_EPOCHS_AT[(("model.dropout", 0.3),)][("multi30k", "scratch", "transformer")]
+    control = cfg.with_overrides({"model.name": "transformer", "model.dropout": 0.3})
+    epochs, why = expected_epochs(control, "trial", uri, warm=False)
+    assert (epochs, True) == at_03 and at_03[0] != MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0]
+    assert "on multi30k at model.dropout=0.3 took" in why and "guess" not in why, why
+    # Another of the settings besides: no figure at exactly those, so the guess from the default settings' runs.
+    epochs, why = expected_epochs(control.with_overrides({"train.lr": 5e-4}), "trial", uri, warm=False)
+    assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0] and "a guess" in why, why

@@ -13,7 +13,7 @@ Epochs: a fixed budget trains its epochs. A budget that trains to convergence (`
 somewhere between ``patience + 1`` epochs and its cap, so the estimate takes the median number of epochs of the
 converged runs of the same kind already in this MLflow store (same model, role, start, stopping rule and cap)
 and says how many it found. With none (a fresh machine) it takes what the platform's own converged runs of that
-kind took (:data:`MEASURED_EPOCHS`: the corpus, the start (from scratch, or warm from the shared baseline) and
+kind took (:data:`MEASURED_EPOCHS`, or :data:`MEASURED_EPOCHS_AT` at another dropout: the corpus, the start (from scratch, or warm from the shared baseline) and
 the model, under the studies' default rule), and with no such figure the cap, saying that it is an upper bound.
 
 Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
@@ -67,6 +67,13 @@ TRAINING_SETTINGS = ("model.dropout", "train.lr", "train.warmup_updates", "train
 # The TRAINING_SETTINGS of every MEASURED_EPOCHS run (multi30k_small's); a run set otherwise takes them as a guess.
 MEASURED_SETTINGS = {"model.dropout": 0.1, "train.lr": 1e-3, "train.warmup_updates": 400, "train.label_smoothing": 0.1}
 MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs: metric, patience, gain
+# The same figures measured at other TRAINING_SETTINGS (those that differ from MEASURED_SETTINGS, sorted) -> {kind:
+# (epochs, guarded)}: a run at exactly those settings takes them instead of MEASURED_EPOCHS' guess.
+MEASURED_EPOCHS_AT = {
+    (("model.dropout", 0.3),): {  # the papers' dropout (BERT-JAM's study, docs/reproduction.md row 4)
+        ("multi30k", "scratch", "transformer"): (34, True),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -222,19 +229,21 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
             f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of this model "
             f"in the store trained with other settings ({', '.join(TRAINING_SETTINGS)}): a guess")
     warm = (role == "trial") if warm is None else warm
-    measured, guarded = MEASURED_EPOCHS.get((cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name),
-                                            (None, False))
+    kind = (cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name)
+    flat = cfg.flat()
+    other = tuple(sorted((k, flat[k]) for k, v in MEASURED_SETTINGS.items() if flat[k] != v))
+    at = MEASURED_EPOCHS_AT.get(other, {}).get(kind) if other else None  # measured at this run's settings
+    measured, guarded = at or MEASURED_EPOCHS.get(kind, (None, False))
     if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
             and measured <= t.max_epochs:
         guard = ("" if guarded == bool(t.loss_guard) else
                  "; measured without train.loss_guard, which can only lengthen a run: a lower bound" if t.loss_guard
                  else "; measured with train.loss_guard, which can only lengthen a run: an upper bound")
-        flat = cfg.flat()
-        other = [k for k, v in MEASURED_SETTINGS.items() if flat[k] != v]
-        guess = (f"; they trained with {', '.join(f'{k}={MEASURED_SETTINGS[k]}' for k in other)}: a guess"
-                 if other else "")
-        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on {cfg.data.corpus} "
-                                 f"took (no such run in this store yet; at most the cap, {t.max_epochs}{guard}{guess})")
+        guess = ("" if at or not other else
+                 f"; they trained with {', '.join(f'{k}={MEASURED_SETTINGS[k]}' for k, _ in other)}: a guess")
+        where = f" at {', '.join(f'{k}={v}' for k, v in other)}" if at else ""
+        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on {cfg.data.corpus}"
+                                 f"{where} took (no such run in this store yet; at most the cap, {t.max_epochs}{guard}{guess})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
