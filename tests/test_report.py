@@ -11,6 +11,7 @@ import pytest
 
 from nmtcore import tracking
 from nmtcore.sweep import lifecycle, report, results, timing
+from nmtcore.tracking import schema
 
 SPLIT, LANG = "test", "de"
 REFS = [f"der hund {i} sieht die katze {i % 7}" for i in range(60)]
@@ -480,11 +481,12 @@ def test_the_delta_split_sums_to_the_difference_of_the_means():
     assert report.length_and_precision(30.0, 0.0, 33.0, 1.0) == (None, None)
 
 
-def _sweep(uri, name, varied="arm", study="bert_benefit"):
+def _sweep(uri, name, varied="arm", study="bert_benefit", baseline_run=""):
     return tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
         lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.study": study, "nmtcore.varied_keys": varied,
         "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"}),
-        "nmtcore.protocol": "arms warm-started; control arm: yes"})
+        "nmtcore.protocol": "arms warm-started; control arm: yes",
+        **({schema.BASELINE_RUN_ID: baseline_run} if baseline_run else {})})
 
 
 def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsys):
@@ -494,11 +496,11 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     from nmtcore.cli.main import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    first = _sweep(uri, "runA")
+    first = _sweep(uri, "runA", baseline_run="b1")
     add_trial(first, tmp_path, 1, 0, "control", 0.3, control=True)
     add_trial(first, tmp_path, 1, 1, "fused", 0.8, {"arm": "fused"})
     first.end()
-    second = _sweep(uri, "runB")
+    second = _sweep(uri, "runB", baseline_run="b1")
     add_trial(second, tmp_path, 2, 0, "control", 0.35, control=True)
     add_trial(second, tmp_path, 2, 1, "fused", 0.7, {"arm": "fused"})
     add_trial(second, tmp_path, 1, 2, "control", 0.9, control=True)  # seed 1 again: runA's is used
@@ -519,6 +521,14 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     assert alone.groups[1].comparisons[SPLIT].pooled_seeds == 1 and alone.groups[1].comparisons[SPLIT].p_seeds is None
     assert any("control seed 1 (seed 1) is in runA and in runB: runA's run is used" in w for w in rep.warnings)
     assert "Pooled over the sweeps `runA`, `runB`" in report.render_markdown(rep)
+    assert not any("different trainings of the shared baseline" in w for w in rep.warnings)  # one machine's
+    # A sweep run on another machine trained the shared baseline again: the pooled report says so.
+    moved = _sweep(uri, "runC", baseline_run="b2")
+    add_trial(moved, tmp_path, 3, 0, "control", 0.3, control=True)
+    add_trial(moved, tmp_path, 3, 1, "fused", 0.8, {"arm": "fused"})
+    moved.end()
+    across = results.build_report(["runA", "runC"], uri, n_bootstrap=0)
+    assert any("different trainings of the shared baseline (runA: run b1, runC: run b2)" in w for w in across.warnings)
     with pytest.raises(tracking.TrackingError, match="cannot pool sweeps 'runA' and 'grid': their study differ"):
         results.build_report(["runA", "grid"], uri, n_bootstrap=0)
 

@@ -278,6 +278,11 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     if converged is False:
         warnings.append("the shared baseline was not trained to convergence (no patience rule stopped it): arms "
                         "start from a model that had not converged")
+    starts = {r.name: r.baseline_run_id for r in records if r.baseline_run_id}
+    if len(set(starts.values())) > 1:  # sweeps on other machines: each trained the shared baseline again
+        warnings.append("the pooled sweeps warm-started from different trainings of the shared baseline ("
+                        + ", ".join(f"{name}: run {run}" for name, run in starts.items()) + "): each sweep's arms "
+                        "pair with its own control, and the spread across its seeds includes the baseline's own")
     estimate = None
     if len(parents) == 1:  # a pooled report has no one estimate nor time split: each sweep's report has its own
         with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
