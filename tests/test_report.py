@@ -529,6 +529,19 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     moved.end()
     across = results.build_report(["runA", "runC"], uri, n_bootstrap=0)
     assert any("different trainings of the shared baseline (runA: run b1, runC: run b2)" in w for w in across.warnings)
+    # The first machine's trial cut short, the same trial finished in a later sweep: the finished one counts.
+    cut = _sweep(uri, "runD", baseline_run="b2")
+    add_trial(cut, tmp_path, 4, 0, "control", 0.3, control=True)
+    add_trial(cut, tmp_path, 4, 1, "fused", 0.8, {"arm": "fused"}, state="killed")
+    cut.end()
+    done = _sweep(uri, "runE", baseline_run="b2")
+    add_trial(done, tmp_path, 4, 1, "fused", 0.8, {"arm": "fused"})
+    done.end()
+    later = results.build_report(["runD", "runE"], uri, n_bootstrap=0)
+    assert later.groups[1].status == {"complete": 1}, later.groups[1].status
+    assert any("fused seed 4 (seed 4) is in runD and in runE: runE's run is used (it finished there, not in runD)"
+               in w for w in later.warnings), later.warnings
+    assert results.build_report(["runD"], uri, n_bootstrap=0).groups[1].status == {"killed": 1}
     with pytest.raises(tracking.TrackingError, match="cannot pool sweeps 'runA' and 'grid': their study differ"):
         results.build_report(["runA", "grid"], uri, n_bootstrap=0)
 

@@ -192,6 +192,9 @@ class SweepReport:
 
 
 # ================================================================================== building
+_FINISHED = (TrialState.COMPLETE.value, TrialState.STOPPED_EARLY.value)  # a trial's states that end it
+
+
 def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
                  bootstrap_seed: int = 12345, against: str | None = None) -> SweepReport:
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
@@ -224,15 +227,26 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     warnings: list[str] = []
     by_key: dict[str, list[tracking.RunRecord]] = {}
     first_seen: dict[tuple[str, str], str] = {}
-    for p, rec in zip(parents, records):
-        for run in sweep_children(p.run_id, uri):
+    children = [(rec.name, sweep_children(p.run_id, uri)) for p, rec in zip(parents, records)]
+    # A (config, seed) in several sweeps counts once: the first sweep's where it finished there (a study continued
+    # on another machine: the first machine's trial was cut short, the second's finished), else the first sweep's.
+    finished_in: dict[tuple[str, str], str] = {}
+    for name, runs in children:
+        for run in runs:
+            if trial_state(run) in _FINISHED:
+                finished_in.setdefault((run.tags.get(CONFIG_KEY_TAG, run.run_id), run.tags.get(SEED_TAG, "")), name)
+    for name, runs in children:
+        for run in runs:
             key = run.tags.get(CONFIG_KEY_TAG, run.run_id)
             seed = run.tags.get(SEED_TAG, "")
-            if first_seen.get((key, seed), rec.name) != rec.name:  # in an earlier sweep (a sweep's own retries stay)
-                warnings.append(f"{run.run_name or key} (seed {seed}) is in {first_seen[key, seed]} and in "
-                                f"{rec.name}: {first_seen[key, seed]}'s run is used")
+            used = finished_in.get((key, seed)) or first_seen.get((key, seed), name)
+            if used != name:  # in another sweep (a sweep's own retries stay)
+                order = [n for n, _ in children if n in (used, name)]
+                why = "" if order[0] == used else f" (it finished there, not in {name})"
+                warnings.append(f"{run.run_name or key} (seed {seed}) is in {order[0]} and in {order[1]}: "
+                                f"{used}'s run is used{why}")
                 continue
-            first_seen.setdefault((key, seed), rec.name)
+            first_seen.setdefault((key, seed), name)
             by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: list(c["valid_loss"].values()) for run_id, c in curves.items()}
