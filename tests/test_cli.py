@@ -195,6 +195,8 @@ def test_sigterm_stops_a_sweep_with_one_line_and_143_then_resume_finishes_it(tmp
     assert out.strip().splitlines()[-1].startswith("bert_size_grid.py: stopped by SIGTERM; "), out[-3000:]
     assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
     assert not _left_running(children), _left_running(children)
+    # Stopped in its trials, it says how to keep them for a machine that is not this one.
+    assert ("nmtcore export --sweep stopped --tracking-uri " in out) == ("epoch" in phase), out[-3000:]
     again = [*cmd, "--resume", "--estimate"]  # before its trials a sweep has no state yet: --resume starts it again
     done = subprocess.run(again, cwd=root, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -248,6 +248,10 @@ def _run(study: Any, args: argparse.Namespace) -> int:
     if result.interrupted:
         again = [a for a in sys.argv if a != "--resume"]
         print(f"resume with: python {' '.join(again)} --resume" + ("" if args.name else f" --name {result.name}"))
+        print(f"  on another machine --resume cannot (the checkpoints stay here): nmtcore export --sweep {result.name} "
+              f"--tracking-uri {result.tracking_uri} --out {result.name}.json.gz keeps its finished trials; there, "
+              "nmtcore import it and run the study again under a new name: they are copied, the rest trained "
+              "(docs/sweeps.md, \"Across machines\")")
         if stop.received:
             print(f"{Path(sys.argv[0]).name}: stopped by {signal.Signals(stop.received).name}; the trials' "
                   "checkpoints are kept", file=sys.stderr)
