@@ -394,7 +394,7 @@ def test_the_platforms_measured_epochs_at_other_settings_are_a_guess(tmp_path):
         "train.min_delta": 0.1, "train.loss_guard": True, "train.valid_bleu": True, "train.max_epochs": 60})
     epochs, why = expected_epochs(cfg, "trial", uri, warm=False)
     assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "bert_jam")][0] and "guess" not in why, why
-    epochs, why = expected_epochs(cfg.with_overrides({"model.dropout": 0.3}), "trial", uri, warm=False)
+    epochs, why = expected_epochs(cfg.with_overrides({"model.dropout": 0.2}), "trial", uri, warm=False)
     assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "bert_jam")][0]
     assert "they trained with model.dropout=0.1: a guess" in why, why
     # A kind measured at these very settings takes that figure as its own.

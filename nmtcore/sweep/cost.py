@@ -72,6 +72,7 @@ MEASURED_RULE = ("valid_bleu", 3, 0.1)  # the rule of MEASURED_EPOCHS' runs: met
 MEASURED_EPOCHS_AT = {
     (("model.dropout", 0.3),): {  # the papers' dropout (BERT-JAM's study, docs/reproduction.md row 4)
         ("multi30k", "scratch", "transformer"): (34, True),
+        ("multi30k", "scratch", "bert_jam"): (39, True),  # the three phases together
     },
 }
 
