@@ -45,7 +45,8 @@ STUDY = "ablations"
 DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 # BERT-JAM's paper trains at dropout 0.3 (Section 3.2: "The dropout ratio is set to 0.3"; the authors' IWSLT runs
 # pass --dropout 0.3), arms and Transformer alike; multi30k_small's 0.1 is the platform's peer-benchmark setting.
-# At 0.1 M0 fit the training set better than its control and validated worse (docs/reproduction.md, row 4). In the defaults, so the control trains at it too and a resumed sweep keeps what it started with.
+# At 0.1 M0 fit the training set better than its control and validated worse (docs/reproduction.md, row 4). In the
+# defaults, so the control trains at it too and a resumed sweep keeps what it started with.
 BERT_JAM_DEFAULTS = {**DEFAULTS, "model.dropout": 0.3}
 # BERT-JAM's three phases on a CPU budget (see the module docstring). The smoke-sized version is the study's
 # default (smoke tests keep defaults, not budgets); real runs take the budget, which overrides it.
@@ -92,7 +93,7 @@ SPACES = {
     # Not the paper's: row 4's follow-up, its hypothesis and prediction in docs/reproduction.md. M0 with MiniLM's
     # bottom four layers, so its GLU reads layers 1-4 and starts on layer 4 (Eq. 11), not on the top layer that
     # all-MiniLM-L6-v2 trains for a pooled sentence embedding. One arm and the control under the study's protocol:
-    # nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_layer4 --against M0_full
+    # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_layer4 --against M0_full
     "bert_jam_layer4": SearchSpace(
         STUDY, "bert_jam_layer4", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
         budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
@@ -103,7 +104,7 @@ SPACES = {
     # dropout on in phases 1-2, where the platform serves eval-mode features from its cache: M0 with BERT's own
     # dropout on while frozen (the cache is then off, BERT runs every step), against the control under the study's
     # protocol:
-    # nmtcore report --sweep ablations-bert_jam-dropout03 --sweep ablations-bert_jam_bert_dropout --against M0_full
+    # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_bert_dropout --against M0_full
     "bert_jam_bert_dropout": SearchSpace(
         STUDY, "bert_jam_bert_dropout", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
         budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,

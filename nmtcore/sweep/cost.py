@@ -13,8 +13,9 @@ Epochs: a fixed budget trains its epochs. A budget that trains to convergence (`
 somewhere between ``patience + 1`` epochs and its cap, so the estimate takes the median number of epochs of the
 converged runs of the same kind already in this MLflow store (same model, role, start, stopping rule and cap)
 and says how many it found. With none (a fresh machine) it takes what the platform's own converged runs of that
-kind took (:data:`MEASURED_EPOCHS`, or :data:`MEASURED_EPOCHS_AT` at another dropout: the corpus, the start (from scratch, or warm from the shared baseline) and
-the model, under the studies' default rule), and with no such figure the cap, saying that it is an upper bound.
+kind took (:data:`MEASURED_EPOCHS`, or :data:`MEASURED_EPOCHS_AT` at another dropout: the corpus, the start (from
+scratch, or warm from the shared baseline) and the model, under the studies' default rule), and with no such
+figure the cap, saying that it is an upper bound.
 
 Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
 them; the trials' phase is that schedule's makespan. Speeds are measured with nothing else running: trials
@@ -243,8 +244,9 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
         guess = ("" if at or not other else
                  f"; they trained with {', '.join(f'{k}={MEASURED_SETTINGS[k]}' for k, _ in other)}: a guess")
         where = f" at {', '.join(f'{k}={v}' for k, v in other)}" if at else ""
-        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on {cfg.data.corpus}"
-                                 f"{where} took (no such run in this store yet; at most the cap, {t.max_epochs}{guard}{guess})")
+        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on "
+                                 f"{cfg.data.corpus}{where} took (no such run in this store yet; at most the cap, "
+                                 f"{t.max_epochs}{guard}{guess})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 

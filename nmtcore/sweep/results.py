@@ -226,27 +226,29 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     metric = space.get("metric", "valid_bleu")
     warnings: list[str] = []
     by_key: dict[str, list[tracking.RunRecord]] = {}
-    first_seen: dict[tuple[str, str], str] = {}
     children = [(rec.name, sweep_children(p.run_id, uri)) for p, rec in zip(parents, records)]
+
+    def trial_of(run: tracking.RunRecord) -> tuple[str, str]:  # (config key, seed)
+        return run.tags.get(CONFIG_KEY_TAG, run.run_id), run.tags.get(SEED_TAG, "")
+
     # A (config, seed) in several sweeps counts once: the first sweep's where it finished there (a study continued
     # on another machine: the first machine's trial was cut short, the second's finished), else the first sweep's.
-    finished_in: dict[tuple[str, str], str] = {}
+    used: dict[tuple[str, str], str] = {}
+    for finished_only in (True, False):
+        for name, runs in children:
+            for run in runs:
+                if not finished_only or trial_state(run) in _FINISHED:
+                    used.setdefault(trial_of(run), name)
     for name, runs in children:
         for run in runs:
-            if trial_state(run) in _FINISHED:
-                finished_in.setdefault((run.tags.get(CONFIG_KEY_TAG, run.run_id), run.tags.get(SEED_TAG, "")), name)
-    for name, runs in children:
-        for run in runs:
-            key = run.tags.get(CONFIG_KEY_TAG, run.run_id)
-            seed = run.tags.get(SEED_TAG, "")
-            used = finished_in.get((key, seed)) or first_seen.get((key, seed), name)
-            if used != name:  # in another sweep (a sweep's own retries stay)
-                order = [n for n, _ in children if n in (used, name)]
-                why = "" if order[0] == used else f" (it finished there, not in {name})"
-                warnings.append(f"{run.run_name or key} (seed {seed}) is in {order[0]} and in {order[1]}: "
-                                f"{used}'s run is used{why}")
+            key, seed = trial_of(run)
+            chosen = used[key, seed]
+            if chosen != name:  # in another sweep (a sweep's own retries stay)
+                first, second = [n for n, _ in children if n in (chosen, name)]
+                why = "" if first == chosen else f" (it finished there, not in {name})"
+                warnings.append(f"{run.run_name or key} (seed {seed}) is in {first} and in {second}: "
+                                f"{chosen}'s run is used{why}")
                 continue
-            first_seen.setdefault((key, seed), name)
             by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: list(c["valid_loss"].values()) for run_id, c in curves.items()}
