@@ -37,7 +37,7 @@ control an average of its last epochs: set ``train.average_last=1`` with it (the
 ``results/studies/bert_jam-ablation-scale005`` averaging cost the control 1.0 BLEU).
 """
 
-from nmtcore.sweep.space import SearchSpace
+from nmtcore.sweep.space import Prediction, SearchSpace
 from search_spaces.protocols import (FROM_SCRATCH, MINILM, MULTI30K_TESTS, SCRATCH, SCRATCH_BUDGETS, STAGE,
                                      STAGE_BUDGETS, WARM_START)
 
@@ -99,7 +99,10 @@ SPACES = {
         budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
         arms={"M0_layer4": {"model.name": "bert_jam", "model.bert.name": "minilm:L4"}},
         citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 over another BERT's layers (not in the paper)",
-        description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six"),
+        description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six",
+        predictions=(Prediction("M0_layer4", "bleu:test_2016_flickr", at_least=-0.3, written="2026-12-05 22:50",
+                                hypothesis="M0 loses because its GLU attends to MiniLM's top layer, trained for a "
+                                           "pooled sentence embedding; over layers 1-4 it does not lose."),)),
     # Not the paper's: row 4's second follow-up (docs/reproduction.md). The authors' fairseq leaves the frozen BERT's
     # dropout on in phases 1-2, where the platform serves eval-mode features from its cache: M0 with BERT's own
     # dropout on while frozen (the cache is then off, BERT runs every step), against the control under the study's
@@ -111,7 +114,12 @@ SPACES = {
         arms={"M0_bert_dropout": {"model.name": "bert_jam", "model.bert.dropout_when_frozen": True}},
         citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 with the authors' code's BERT dropout in phases 1-2 "
                  "(not in the paper)",
-        description="BERT-JAM M0 with BERT's dropout on while it is frozen, as the authors' code runs it"),
+        description="BERT-JAM M0 with BERT's dropout on while it is frozen, as the authors' code runs it",
+        predictions=tuple(
+            Prediction("M0_bert_dropout", measure, at_least=bound, written="2026-12-06 00:05",
+                       hypothesis="M0 fits the training set faster than its control because phases 1-2 feed it the "
+                                  "same noise-free BERT states every epoch; with BERT's dropout on it does not.")
+            for measure, bound in (("fit:train_nll", 0.0), ("bleu:test_2016_flickr", -0.3)))),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(

@@ -657,6 +657,67 @@ def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(t
     assert json.loads(json.dumps(report._to_json(rep)))["fit"]["bert_jam"][0]["train_at_best"] == 1.5
 
 
+def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp_path):
+    """The predictions a sweep recorded are checked on its runs, each arm against the control: held or not where
+    both converged, "not checkable yet" (with why) where a run it needs is missing or stopped while still
+    improving; a sweep that recorded none is checked against its study's predictions as defined now, and a
+    recorded set that differs from today's definition is the one checked, with a warning."""
+    from nmtcore.sweep.space import Prediction
+
+    when = "2026-12-06 00:05"
+    preds = [Prediction("bert_jam", "fit:train_nll", at_least=0.0, written=when, hypothesis="it fits no faster."),
+             Prediction("bert_jam", f"bleu:{SPLIT}", at_least=-0.3, written=when),
+             Prediction("bert_jam", "bleu:elsewhere", at_least=0.0, written=when),
+             Prediction("M9", "fit:valid_nll", at_most=0.0, written=when),
+             Prediction("falling", f"bleu:{SPLIT}", at_least=0.0, written=when)]
+    uri, parent = nll_sweep(tmp_path, "pred", "bert_jam", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
+    add_trial(parent, tmp_path, 1, 2, "falling", 0.6, {"arm": "falling"}, curves=FALLING,
+              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.6)})
+    parent.set_tags({"nmtcore.space_json": json.dumps({"metric": "valid_bleu",
+                                                       "predictions": [p.describe() for p in preds]})})
+    parent.end()
+    rep = results.build_report("pred", uri, n_bootstrap=200, current={"pred": preds[:1]})
+    checks = {(c.prediction.arm, c.prediction.measure): c for c in rep.predictions}
+    fit, bleu = checks["bert_jam", "fit:train_nll"], checks["bert_jam", f"bleu:{SPLIT}"]
+    assert fit.value == pytest.approx(-0.5) and fit.held is False and fit.verdict() == "did not hold"
+    assert fit.source == "recorded with pred" and fit.seeds == 1
+    control, arm = rep.groups[0], next(g for g in rep.groups if g.label == "bert_jam")
+    assert bleu.value == pytest.approx(arm.bleu[SPLIT]["1"] - control.bleu[SPLIT]["1"]) and bleu.value > 0
+    assert bleu.held is True and bleu.ci == (arm.comparisons[SPLIT].ci_low, arm.comparisons[SPLIT].ci_high)
+    assert checks["bert_jam", "bleu:elsewhere"].held is None
+    assert checks["bert_jam", "bleu:elsewhere"].why == "elsewhere is not a test set of these runs"
+    assert checks["M9", "fit:valid_nll"].why == "no run of M9 in these runs"
+    falling = checks["falling", f"bleu:{SPLIT}"]
+    assert falling.value > 0 and falling.held is None and falling.why == "falling not converged"
+    assert any("differ now from those recorded with pred" in w for w in rep.warnings)
+    md = report.render_markdown(rep)
+    assert "**Predictions written before any run**" in md
+    assert (f"- `bert_jam`: Δ training NLL ≥ +0.00 (written {when}; recorded with pred): measured -0.500 (1 seed): "
+            "**did not hold**. Hypothesis: it fits no faster.") in md
+    assert f"- `falling`: ΔBLEU on {SPLIT} ≥ +0.00" in md and "**not checkable yet** (falling not converged)" in md
+    verdicts = [(p["arm"], p["verdict"]) for p in json.loads(json.dumps(report._to_json(rep)))["predictions"]]
+    assert verdicts == [("bert_jam", "did not hold"), ("bert_jam", "held"), ("bert_jam", "not checkable yet"),
+                        ("M9", "not checkable yet"), ("falling", "not checkable yet")]
+
+    # A sweep that recorded none: its study's predictions as defined now, said so; no study, no section.
+    uri2, parent2 = nll_sweep(tmp_path, "older", "bert_jam", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
+    parent2.end()
+    rep2 = results.build_report("older", uri2, n_bootstrap=0, current={"older": preds[:1]})
+    assert [(c.held, c.source) for c in rep2.predictions] == [
+        (False, "the study's definition now: older recorded none")]
+    assert "Predictions written" not in report.render_markdown(results.build_report("older", uri2, n_bootstrap=0))
+
+    # `nmtcore report` looks the study up by the variant the sweep recorded (here a sweep of one arm).
+    from nmtcore.cli.main import _study_predictions
+
+    parent2 = tracking.Tracker(uri2, run_id=parent2.run_id)
+    parent2.set_tags({schema.SPACE: "ablations:bert_jam_bert_dropout-M0_bert_dropout",
+                      schema.SPACE_JSON: json.dumps({"arms": {"M0_bert_dropout": {}}})})
+    parent2.end()
+    found = _study_predictions(["older"], uri2)["older"]
+    assert [p.measure for p in found] == ["fit:train_nll", "bleu:test_2016_flickr"]
+
+
 def test_a_sweep_whose_runs_logged_no_nll_has_no_fit_table(sweep_store):
     uri, _ = sweep_store
     rep = results.build_report("toy", uri, n_bootstrap=0)

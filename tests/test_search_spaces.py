@@ -421,3 +421,37 @@ def test_arms_selects_some_of_a_studys_arms_under_a_name_of_their_own():
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "ablation.py: error: ablations:plm_sponsored_loss: no arm 'nope' (arms: full, no_mlm, no_lt, no_kd, "
         "no_mlm_kd, nmt_only, full_layer_kd)"], r.stderr
+
+
+def test_a_prediction_is_checked_for_its_arm_bound_and_date_and_follows_the_arms_a_sweep_runs():
+    """A study's predictions name one of its arms, a measure the report computes, a bound and when they were written;
+    anything else is refused up front. A sweep of some arms (``--arms``) keeps those arms' predictions only, and a
+    sweep's recorded variant (with the suffixes ``--arms`` and ``--budget`` add) finds the study's variant again."""
+    from dataclasses import replace
+
+    from nmtcore.sweep.space import Prediction
+
+    for bad in (dict(measure="bleu:"), dict(measure="chrf:test"), dict(at_least=None), dict(written=""),
+                dict(at_least=1.0, at_most=0.0)):
+        with pytest.raises(SpaceError):
+            Prediction(**{**dict(arm="M0_full", measure="bleu:test", at_least=-0.3, written="2026-12-06 00:05"), **bad})
+    space = search_spaces.get_space("ablations:bert_jam")
+    held = Prediction("M0_full", "fit:train_nll", at_least=0.0, written="2026-12-06 00:05")
+    other = Prediction("M1_weighted_sum", "bleu:test_2016_flickr", at_most=0.5, written="2026-12-06 00:05")
+    with pytest.raises(SpaceError, match="not an arm"):
+        replace(space, predictions=(replace(held, arm="M9"),))
+    with pytest.raises(SpaceError, match="has none"):
+        replace(space, protocol=None, predictions=(held,))
+    both = replace(space, predictions=(held, other))
+    assert both.with_arms(["M0_full"]).predictions == (held,)
+    assert [Prediction.from_description(d) for d in both.describe()["predictions"]] == [held, other]
+    assert "predictions" not in space.describe()  # none: the recorded space stays as it was
+    assert held.holds(0.0) and not held.holds(-0.001) and other.holds(0.5) and not other.holds(0.51)
+    assert (held.bound(), other.bound()) == ("≥ +0.00", "≤ +0.50")
+    assert search_spaces.find_variant("ablations:bert_jam-M0_full").name == "ablations:bert_jam"
+    assert search_spaces.find_variant("ablations:bert_jam-scaled-M0_full+M1_weighted_sum").name == "ablations:bert_jam"
+    assert search_spaces.find_variant("ablations:nothing-M0_full") is None
+    assert search_spaces.find_variant("nothing:bert_jam") is None
+    dropout = search_spaces.get_space("ablations:bert_jam_bert_dropout")
+    assert {(p.arm, p.measure) for p in dropout.predictions} == {("M0_bert_dropout", "fit:train_nll"),
+                                                                ("M0_bert_dropout", "bleu:test_2016_flickr")}

@@ -174,6 +174,7 @@ def render_markdown(report: SweepReport) -> str:
     if report.time_split:
         head += ["Time split (wall clock, measured; the report's own time is the console's last lines and "
                  f"`{timing.ARTIFACT}`):", *(f"- {line}" for line in timing.describe(report.time_split)), ""]
+    head += prediction_lines(report)
     verdict = report.not_an_answer()
     if verdict:
         head = [f"**{verdict}**", ""] + head
@@ -192,6 +193,28 @@ def render_markdown(report: SweepReport) -> str:
     lines += unfinished_lines(report)
     tail = [f"- warning: {w}" for w in report.warnings]
     return "\n".join(head + lines + tail) + "\n"
+
+
+def prediction_lines(report: SweepReport) -> list[str]:
+    """The predictions written before the runs (:class:`~nmtcore.sweep.space.Prediction`), each with what the runs
+    measured and whether it held; nothing when the study has none."""
+    if not report.predictions:
+        return []
+    lines = ["**Predictions written before any run**, each arm against the control (mean over seeds; ΔBLEU's CI and "
+             "p from the bootstrap when this report's reference is the control; NLLs in bits per target token at "
+             "each run's lowest validation NLL):", ""]
+    for c in report.predictions:
+        pred = c.prediction
+        what = (f"ΔBLEU on {pred.measure.split(':', 1)[1]}" if pred.measure.startswith("bleu:")
+                else f"Δ {'training' if pred.measure == 'fit:train_nll' else 'validation'} NLL")
+        measured = "not measured yet" if c.value is None else (
+            f"{c.value:+.{2 if pred.measure.startswith('bleu:') else 3}f}"
+            + (f" [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}], p {_p(c.p)}" if c.ci is not None and c.p is not None else "")
+            + f" ({c.seeds} seed{'s' * (c.seeds != 1)})")
+        verdict = f"**{c.verdict()}**" + (f" ({c.why})" if c.why else "")
+        lines.append(f"- `{pred.arm}`: {what} {pred.bound()} (written {pred.written}; {c.source}): measured "
+                     f"{measured}: {verdict}." + (f" Hypothesis: {pred.hypothesis}" if pred.hypothesis else ""))
+    return lines + [""]
 
 
 def rarity_tables(report: SweepReport) -> list[str]:
@@ -350,6 +373,9 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
             "reused": report.reused(),
             "fit": {g.label: [dataclasses.asdict(f) for f in g.fit] for g in report.groups if g.fit},
+            "predictions": [{**c.prediction.describe(), "source": c.source, "value": c.value, "held": c.held,
+                             "verdict": c.verdict(), "why": c.why, "ci": c.ci, "p": c.p, "seeds": c.seeds}
+                            for c in report.predictions],
             "unfinished": {g.label: [dataclasses.asdict(p) for p in g.unfinished] for g in report.groups if g.unfinished}}
 
 

@@ -21,7 +21,7 @@ from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep import timing
 from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, TrialState, find_sweep_run, sweep_children, trial_state
-from nmtcore.sweep.space import CONTROL
+from nmtcore.sweep.space import CONTROL, Prediction
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
 
@@ -147,6 +147,7 @@ class SweepReport:
     pooled: list[str] = field(default_factory=list)  # the sweeps whose runs a pooled report joins (empty: one sweep)
     added_test_splits: list[str] = field(default_factory=list)  # of test_splits, those decoded after the sweep
     rarity_missing: str = ""  # why no arm has a comparison by source-word rarity ("": they have)
+    predictions: list["PredictionCheck"] = field(default_factory=list)  # written before the runs, checked here
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -196,7 +197,8 @@ _FINISHED = (TrialState.COMPLETE.value, TrialState.STOPPED_EARLY.value)  # a tri
 
 
 def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
-                 bootstrap_seed: int = 12345, against: str | None = None) -> SweepReport:
+                 bootstrap_seed: int = 12345, against: str | None = None,
+                 current: Mapping[str, Sequence[Prediction]] | None = None) -> SweepReport:
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
 
     Every configuration is compared with the control (else the space's reference); ``against`` names another
@@ -206,7 +208,12 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     Several sweeps (a list) give one report over their runs pooled: sweeps of one study, varying the same keys,
     tested on the same sets under the same protocol (else :class:`TrackingError`), e.g. the same study run
     again with other seeds (``--arms-set train.seed=2``). Runs group by their config key, as within a sweep;
-    a (config, seed) found in more than one sweep counts once, the first sweep's, with a warning."""
+    a (config, seed) found in more than one sweep counts once, the first sweep's, with a warning.
+
+    The predictions each sweep recorded (its space, tagged when it started or last resumed) are checked
+    (:func:`check_predictions`); ``current`` (sweep name → its study's predictions as defined now, from the caller,
+    which can read the studies) stands in for a sweep that recorded none (it started before its study had them),
+    and where it differs from what a sweep recorded, the recorded ones are checked, with a warning."""
     uri = tracking.resolve_tracking_uri(tracking_uri)
     names = [sweep] if isinstance(sweep, str) else list(sweep)
     if not names:
@@ -299,6 +306,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         warnings.append("the pooled sweeps warm-started from different trainings of the shared baseline ("
                         + ", ".join(f"{name}: run {run}" for name, run in starts.items()) + "): each sweep's arms "
                         "pair with its own control, and the spread across its seeds includes the baseline's own")
+    predictions = _sweep_predictions(records, current or {}, warnings)
+    checks = check_predictions(predictions, groups, reference, splits)
     estimate = None
     if len(parents) == 1:  # a pooled report has no one estimate nor time split: each sweep's report has its own
         with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
@@ -310,7 +319,91 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate,
                        time_split=timing.read(parent.run_id, uri) if len(parents) == 1 else [],
-                       pooled=[r.name for r in records] if len(parents) > 1 else [])
+                       pooled=[r.name for r in records] if len(parents) > 1 else [], predictions=checks)
+
+
+# ================================================================================== predictions
+@dataclass(frozen=True)
+class PredictionCheck:
+    """A prediction (:class:`~nmtcore.sweep.space.Prediction`) against the runs: the measured value (None: not
+    measured yet), whether the prediction held (None: not checkable: a run it needs has not finished or not
+    converged; ``why`` says which), the bootstrap's CI and p where the report's reference is the control
+    (``bleu:`` measures), the seeds it pools, and where the prediction came from."""
+
+    prediction: Prediction
+    source: str  # "recorded with <sweep>" or "the study's definition now (<sweep> recorded none)"
+    value: float | None = None
+    held: bool | None = None
+    why: str = ""
+    ci: tuple[float, float] | None = None
+    p: float | None = None
+    seeds: int = 0
+
+    def verdict(self) -> str:
+        """``held``, ``did not hold`` or ``not checkable yet``."""
+        return "not checkable yet" if self.held is None else ("held" if self.held else "did not hold")
+
+
+def _sweep_predictions(records: Sequence[schema.SweepTags], current: Mapping[str, Sequence[Prediction]],
+                       warnings: list[str]) -> list[tuple[Prediction, str]]:
+    """The predictions of the pooled sweeps, each once, with where it came from (see :func:`build_report`)."""
+    out: dict[Prediction, str] = {}
+    for rec in records:
+        recorded = [Prediction.from_description(d) for d in rec.space_description.get("predictions") or []]
+        now = list(current.get(rec.name, ()))
+        if recorded and now and set(recorded) != set(now):
+            warnings.append(f"the study's predictions differ now from those recorded with {rec.name}: the recorded "
+                            "ones are checked")
+        if recorded:
+            for pred in recorded:
+                out.setdefault(pred, f"recorded with {rec.name}")
+        else:
+            for pred in now:
+                out.setdefault(pred, f"the study's definition now: {rec.name} recorded none")
+    return list(out.items())
+
+
+def check_predictions(predictions: Sequence[tuple[Prediction, str]], groups: Sequence[Group],
+                      reference: Group | None, splits: Sequence[str]) -> list[PredictionCheck]:
+    """Each prediction, with its source, checked on ``groups``: its arm against the control (mean over seeds), held
+    or not only where both have finished and converged (a Δ between runs cut short answers nothing)."""
+    control = next((g for g in groups if g.control), None)
+    out: list[PredictionCheck] = []
+    for pred, source in predictions:
+        arm = next((g for g in groups if g.label == pred.arm and not g.control), None)
+        missing = ("no control in these runs" if control is None
+                   else f"no run of {pred.arm} in these runs" if arm is None else "")
+        if missing:
+            out.append(PredictionCheck(pred, source, why=missing))
+            continue
+        ci, p, seeds = None, None, 0
+        if pred.measure.startswith("bleu:"):
+            split = pred.measure.split(":", 1)[1]
+            if split not in splits:
+                out.append(PredictionCheck(pred, source, why=f"{split} is not a test set of these runs"))
+                continue
+            a, c = mean(list(arm.bleu.get(split, {}).values())), mean(list(control.bleu.get(split, {}).values()))
+            value = None if a is None or c is None else a - c
+            seeds = len(arm.bleu.get(split, {}))
+            comparison = arm.comparisons.get(split) if reference is control else None
+            if comparison is not None and comparison.ci_low is not None:
+                ci, p = (comparison.ci_low, comparison.ci_high), comparison.p
+        else:
+            attr = "train_at_best" if pred.measure == "fit:train_nll" else "valid_at_best"
+            a, c = mean([getattr(f, attr) for f in arm.fit]), mean([getattr(f, attr) for f in control.fit])
+            value = None if a is None or c is None else a - c
+            seeds = len(arm.fit)
+        unconverged = [g.label for g in (arm, control) if not g.converged]
+        if value is None:
+            why = "no finished run of " + " and ".join(g.label for g in (arm, control)
+                                                       if not (g.bleu if pred.measure.startswith("bleu:") else g.fit))
+            out.append(PredictionCheck(pred, source, why=why))
+        elif unconverged:
+            out.append(PredictionCheck(pred, source, value=value, ci=ci, p=p, seeds=seeds,
+                                       why=f"{' and '.join(unconverged)} not converged"))
+        else:
+            out.append(PredictionCheck(pred, source, value=value, held=pred.holds(value), ci=ci, p=p, seeds=seeds))
+    return out
 
 
 CURVE_KEYS = ("valid_loss", "valid_bleu", "num_updates", "train_nll", "valid_nll", "phase")

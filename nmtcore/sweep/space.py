@@ -191,6 +191,71 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+# ---------------------------------------------------------------------------------- predictions
+# What a prediction may bound: the arm's ΔBLEU against the control on a test set (``bleu:<test set>``, mean over
+# seeds), or its NLL at each run's lowest validation NLL against the control's (``fit:train_nll``,
+# ``fit:valid_nll``; bits per target token, nmtcore.sweep.results.Fit).
+PREDICTION_MEASURES = ("bleu:", "fit:train_nll", "fit:valid_nll")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one arm will do against the control, written down before any run of its study: the study's report
+    checks it on the runs and says whether it held (``nmtcore.sweep.results.check_predictions``).
+
+    Args:
+        arm: the arm it is about.
+        measure: ``bleu:<test set>`` (the arm's ΔBLEU against the control), ``fit:train_nll`` or
+            ``fit:valid_nll`` (the arm's NLL minus the control's, each at its lowest validation NLL).
+        at_least / at_most: the bound(s) the measure is predicted to keep (one or both).
+        written: when it was written (``2026-12-06 00:05``), before any run of the study.
+        hypothesis: what it tests, in a sentence.
+    """
+
+    arm: str
+    measure: str
+    at_least: float | None = None
+    at_most: float | None = None
+    written: str = ""
+    hypothesis: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.measure in PREDICTION_MEASURES[1:]
+                or self.measure.startswith(PREDICTION_MEASURES[0]) and len(self.measure) > len(PREDICTION_MEASURES[0])):
+            raise SpaceError(f"prediction for {self.arm!r}: measure {self.measure!r} is none of "
+                             "bleu:<test set>, fit:train_nll, fit:valid_nll")
+        if self.at_least is None and self.at_most is None:
+            raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): give at_least, at_most or both")
+        if self.at_least is not None and self.at_most is not None and self.at_least > self.at_most:
+            raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): at_least {self.at_least} > at_most "
+                             f"{self.at_most}")
+        if not self.written:
+            raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): say when it was written (written=...)")
+
+    def bound(self) -> str:
+        """``≥ -0.30``, ``≤ 0.00`` or ``in [-0.30, +0.50]``."""
+        if self.at_most is None:
+            return f"≥ {self.at_least:+.2f}"
+        if self.at_least is None:
+            return f"≤ {self.at_most:+.2f}"
+        return f"in [{self.at_least:+.2f}, {self.at_most:+.2f}]"
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` keeps the bound(s)."""
+        return ((self.at_least is None or value >= self.at_least)
+                and (self.at_most is None or value <= self.at_most))
+
+    def describe(self) -> dict[str, Any]:
+        return {"arm": self.arm, "measure": self.measure, "at_least": self.at_least, "at_most": self.at_most,
+                "written": self.written, "hypothesis": self.hypothesis}
+
+    @classmethod
+    def from_description(cls, d: Mapping[str, Any]) -> "Prediction":
+        """The inverse of :meth:`describe` (a sweep's recorded space)."""
+        return cls(**{k: d.get(k) for k in ("arm", "measure", "at_least", "at_most")},
+                   written=d.get("written") or "", hypothesis=d.get("hypothesis") or "")
+
+
 # ---------------------------------------------------------------------------------- the space
 @dataclass(frozen=True)
 class SearchSpace:
@@ -226,6 +291,8 @@ class SearchSpace:
         arm_overrides: the user's overrides of keys that only the arms' model has (``--set model.tgt_bert.layers=4``
             over a study whose control is a Transformer: :meth:`with_arm_overrides`), applied to every trial but
             the control, last (after the arm's own bundle: the user's value wins, as ``--set`` does elsewhere).
+        predictions: what arms will do against the control, written before any run (:class:`Prediction`):
+            recorded with the sweep, checked by its report.
     """
 
     study: str
@@ -248,6 +315,7 @@ class SearchSpace:
     protocol: Protocol | None = None
     report_metrics: tuple[str, ...] = ()
     arm_overrides: Mapping[str, Any] = field(default_factory=dict)
+    predictions: tuple[Prediction, ...] = ()
 
     def __post_init__(self) -> None:
         name = self.name
@@ -278,6 +346,11 @@ class SearchSpace:
             raise SpaceError(f"{name}: {CONTROL!r} is reserved for the protocol's control arm")
         if self.num_samples < 1:
             raise SpaceError(f"{name}: num_samples must be >= 1")
+        for pred in self.predictions:
+            if pred.arm not in self.arms:
+                raise SpaceError(f"{name}: a prediction names arm {pred.arm!r}, not an arm ({', '.join(self.arms)})")
+            if self.protocol is None or not self.protocol.control:
+                raise SpaceError(f"{name}: predictions compare an arm with the control, and this study has none")
 
     # ------------------------------------------------------------------ views
     @property
@@ -417,7 +490,8 @@ class SearchSpace:
         if not has_control and isinstance(self.reference, str) and self.reference not in kept:
             raise SpaceError(f"{self.name}: the study has no control and compares with its arm {self.reference!r}: "
                              f"add it to --arms")
-        return replace(self, variant=f"{self.variant}-{'+'.join(kept)}", arms={n: self.arms[n] for n in kept})
+        return replace(self, variant=f"{self.variant}-{'+'.join(kept)}", arms={n: self.arms[n] for n in kept},
+                       predictions=tuple(p for p in self.predictions if p.arm in kept))
 
     def with_arm_overrides(self, overrides: Mapping[str, Any]) -> "SearchSpace":
         """The same study with ``overrides`` set on every trial but the control (:attr:`arm_overrides`): keys
@@ -446,7 +520,8 @@ class SearchSpace:
             names = list(arms)[: max(1, budget)]
             arms = {a: arms[a] for a in names}
         reference = self.reference if not isinstance(self.reference, str) or self.reference in arms else None
-        return replace(self, variant=f"{self.variant}-smoke", params=params, arms=arms, reference=reference)
+        return replace(self, variant=f"{self.variant}-smoke", params=params, arms=arms, reference=reference,
+                       predictions=tuple(p for p in self.predictions if p.arm in arms))
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly summary for the MLflow parent run."""
@@ -472,4 +547,5 @@ class SearchSpace:
                 "plot": plot, "description": self.description, "citation": self.citation,
                 "budget": dict(self.budget), "budget_name": self.budget_name, "defaults": dict(self.defaults),
                 "report_metrics": list(self.report_metrics),
-                **({"arm_overrides": dict(self.arm_overrides)} if self.arm_overrides else {})}
+                **({"arm_overrides": dict(self.arm_overrides)} if self.arm_overrides else {}),
+                **({"predictions": [p.describe() for p in self.predictions]} if self.predictions else {})}
