@@ -203,17 +203,20 @@ def prediction_lines(report: SweepReport) -> list[str]:
     lines = ["**Predictions written before any run**, each arm against the control (mean over seeds; ΔBLEU's CI and "
              "p from the bootstrap when this report's reference is the control; NLLs in bits per target token at "
              "each run's lowest validation NLL):", ""]
+    said = ""  # the hypothesis the line before gave: several predictions of one hypothesis say it once
     for c in report.predictions:
         pred = c.prediction
         what = (f"ΔBLEU on {pred.measure.split(':', 1)[1]}" if pred.measure.startswith("bleu:")
                 else f"Δ {'training' if pred.measure == 'fit:train_nll' else 'validation'} NLL")
-        measured = "not measured yet" if c.value is None else (
+        measured = "not measured yet" if c.value is None else "measured " + (
             f"{c.value:+.{2 if pred.measure.startswith('bleu:') else 3}f}"
             + (f" [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}], p {_p(c.p)}" if c.ci is not None and c.p is not None else "")
             + f" ({c.seeds} seed{'s' * (c.seeds != 1)})")
         verdict = f"**{c.verdict()}**" + (f" ({c.why})" if c.why else "")
-        lines.append(f"- `{pred.arm}`: {what} {pred.bound()} (written {pred.written}; {c.source}): measured "
-                     f"{measured}: {verdict}." + (f" Hypothesis: {pred.hypothesis}" if pred.hypothesis else ""))
+        hypothesis = f" Hypothesis: {pred.hypothesis}" if pred.hypothesis and pred.hypothesis != said else ""
+        said = pred.hypothesis
+        lines.append(f"- `{pred.arm}`: {what} {pred.bound()} (written {pred.written}; {c.source}): {measured}: "
+                     f"{verdict}.{hypothesis}")
     return lines + [""]
 
 
