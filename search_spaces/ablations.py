@@ -159,7 +159,11 @@ SPACES = {
         arms={"full_teacher_l4": {**PLM_LOSS_ARMS["full"], "model.kd_teacher_layer": 4}},
         fixed={"model.bert.freeze": False},
         citation="PLM-sponsored NMT (seed 001), Table 3's full model with another KD teacher layer (not in the paper)",
-        description="PLM-sponsored full model, KD from MiniLM's layer 4 instead of its top layer"),
+        description="PLM-sponsored full model, KD from MiniLM's layer 4 instead of its top layer",
+        predictions=(Prediction("full_teacher_l4", "bleu:test_2016_flickr", at_least=-0.3, against="no_kd",
+                                written="2026-12-05 16:30",
+                                hypothesis="KD costs BLEU here because the teacher is MiniLM's top layer, trained "
+                                           "for a pooled sentence embedding; from its layer 4 it does not."),)),
     # Document context (BERT as context encoder, seed 003): where C_B enters the model (Table 3)...
     # Both studies train on documents: by default the offline Maruf et al. sets (DOC_DATA); another document
     # corpus with --set data.corpus=docparallel data.data_dir=DIR and its splits.

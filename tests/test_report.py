@@ -657,6 +657,10 @@ def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(t
     assert json.loads(json.dumps(report._to_json(rep)))["fit"]["bert_jam"][0]["train_at_best"] == 1.5
 
 
+def falling_arm(rep):
+    return next(g for g in rep.groups if g.label == "falling")
+
+
 def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp_path):
     """The predictions a sweep recorded are checked on its runs, each arm against the control: held or not where
     both converged, "not checkable yet" (with why) where a run it needs is missing or stopped while still
@@ -669,7 +673,9 @@ def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp
              Prediction("bert_jam", f"bleu:{SPLIT}", at_least=-0.3, written=when),
              Prediction("bert_jam", "bleu:elsewhere", at_least=0.0, written=when),
              Prediction("M9", "fit:valid_nll", at_most=0.0, written=when),
-             Prediction("falling", f"bleu:{SPLIT}", at_least=0.0, written=when)]
+             Prediction("falling", f"bleu:{SPLIT}", at_least=0.0, written=when),
+             Prediction("bert_jam", f"bleu:{SPLIT}", at_most=0.0, written=when, against="falling"),
+             Prediction("bert_jam", f"bleu:{SPLIT}", at_most=0.0, written=when, against="no_kd")]
     uri, parent = nll_sweep(tmp_path, "pred", "bert_jam", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})
     add_trial(parent, tmp_path, 1, 2, "falling", 0.6, {"arm": "falling"}, curves=FALLING,
               nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.6)})
@@ -677,7 +683,7 @@ def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp
                                                        "predictions": [p.describe() for p in preds]})})
     parent.end()
     rep = results.build_report("pred", uri, n_bootstrap=200, current={"pred": preds[:1]})
-    checks = {(c.prediction.arm, c.prediction.measure): c for c in rep.predictions}
+    checks = {(c.prediction.arm, c.prediction.measure): c for c in rep.predictions if c.prediction.against == "control"}
     fit, bleu = checks["bert_jam", "fit:train_nll"], checks["bert_jam", f"bleu:{SPLIT}"]
     assert fit.value == pytest.approx(-0.5) and fit.held is False and fit.verdict() == "did not hold"
     assert fit.source == "recorded with pred" and fit.seeds == 1
@@ -689,6 +695,10 @@ def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp
     assert checks["M9", "fit:valid_nll"].why == "no run of M9 in these runs"
     falling = checks["falling", f"bleu:{SPLIT}"]
     assert falling.value > 0 and falling.held is None and falling.why == "falling not converged"
+    against = [c for c in rep.predictions if c.prediction.against != "control"]
+    assert against[0].value == pytest.approx(arm.bleu[SPLIT]["1"] - falling_arm(rep).bleu[SPLIT]["1"])
+    assert against[0].ci is None  # the report's reference is the control, not `falling`
+    assert against[0].why == "falling not converged" and against[1].why == "no run of no_kd in these runs"
     assert any("differ now from those recorded with pred" in w for w in rep.warnings)
     md = report.render_markdown(rep)
     assert "**Predictions written before any run**" in md
@@ -697,7 +707,9 @@ def test_predictions_written_before_the_runs_are_checked_against_the_control(tmp
     assert f"- `falling`: ΔBLEU on {SPLIT} ≥ +0.00" in md and "**not checkable yet** (falling not converged)" in md
     verdicts = [(p["arm"], p["verdict"]) for p in json.loads(json.dumps(report._to_json(rep)))["predictions"]]
     assert verdicts == [("bert_jam", "did not hold"), ("bert_jam", "held"), ("bert_jam", "not checkable yet"),
-                        ("M9", "not checkable yet"), ("falling", "not checkable yet")]
+                        ("M9", "not checkable yet"), ("falling", "not checkable yet"),
+                        ("bert_jam", "not checkable yet"), ("bert_jam", "not checkable yet")]
+    assert f"- `bert_jam`: ΔBLEU on {SPLIT} against `falling` ≤ +0.00" in md
 
     # A sweep that recorded none: its study's predictions as defined now, said so; no study, no section.
     uri2, parent2 = nll_sweep(tmp_path, "older", "bert_jam", {1: (2.8, 2.95), 2: (1.5, 2.8), 3: (1.2, 2.9)})

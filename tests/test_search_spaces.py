@@ -432,7 +432,7 @@ def test_a_prediction_is_checked_for_its_arm_bound_and_date_and_follows_the_arms
     from nmtcore.sweep.space import Prediction
 
     for bad in (dict(measure="bleu:"), dict(measure="chrf:test"), dict(at_least=None), dict(written=""),
-                dict(at_least=1.0, at_most=0.0)):
+                dict(at_least=1.0, at_most=0.0), dict(against="M0_full")):
         with pytest.raises(SpaceError):
             Prediction(**{**dict(arm="M0_full", measure="bleu:test", at_least=-0.3, written="2026-12-06 00:05"), **bad})
     space = search_spaces.get_space("ablations:bert_jam")
@@ -442,6 +442,8 @@ def test_a_prediction_is_checked_for_its_arm_bound_and_date_and_follows_the_arms
         replace(space, predictions=(replace(held, arm="M9"),))
     with pytest.raises(SpaceError, match="has none"):
         replace(space, protocol=None, predictions=(held,))
+    # against another arm, of this study or of a sweep the report pools: no control needed
+    assert replace(space, protocol=None, predictions=(replace(other, against="no_kd"),)).predictions
     both = replace(space, predictions=(held, other))
     assert both.with_arms(["M0_full"]).predictions == (held,)
     assert [Prediction.from_description(d) for d in both.describe()["predictions"]] == [held, other]
@@ -455,3 +457,5 @@ def test_a_prediction_is_checked_for_its_arm_bound_and_date_and_follows_the_arms
     dropout = search_spaces.get_space("ablations:bert_jam_bert_dropout")
     assert {(p.arm, p.measure) for p in dropout.predictions} == {("M0_bert_dropout", "fit:train_nll"),
                                                                 ("M0_bert_dropout", "bleu:test_2016_flickr")}
+    (teacher,) = search_spaces.get_space("ablations:plm_kd_teacher").predictions
+    assert (teacher.arm, teacher.against) == ("full_teacher_l4", "no_kd")

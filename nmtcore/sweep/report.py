@@ -42,6 +42,7 @@ from typing import Any
 from nmtcore import tracking
 from nmtcore.sweep import timing
 from nmtcore.sweep.figures import figures
+from nmtcore.sweep.space import CONTROL
 from nmtcore.sweep.results import (
     Comparison,
     SweepReport,
@@ -200,9 +201,9 @@ def prediction_lines(report: SweepReport) -> list[str]:
     measured and whether it held; nothing when the study has none."""
     if not report.predictions:
         return []
-    lines = ["**Predictions written before any run**, each arm against the control (mean over seeds; ΔBLEU's CI and "
-             "p from the bootstrap when this report's reference is the control; NLLs in bits per target token at "
-             "each run's lowest validation NLL):", ""]
+    lines = ["**Predictions written before any run**, each arm against the control unless it says otherwise (mean "
+             "over seeds; ΔBLEU's CI and p from the bootstrap when this report's reference is what the arm is "
+             "against; NLLs in bits per target token at each run's lowest validation NLL):", ""]
     said = ""  # the hypothesis the line before gave: several predictions of one hypothesis say it once
     for c in report.predictions:
         pred = c.prediction
@@ -215,8 +216,9 @@ def prediction_lines(report: SweepReport) -> list[str]:
         verdict = f"**{c.verdict()}**" + (f" ({c.why})" if c.why else "")
         hypothesis = f" Hypothesis: {pred.hypothesis}" if pred.hypothesis and pred.hypothesis != said else ""
         said = pred.hypothesis
-        lines.append(f"- `{pred.arm}`: {what} {pred.bound()} (written {pred.written}; {c.source}): {measured}: "
-                     f"{verdict}.{hypothesis}")
+        against = "" if pred.against == CONTROL else f" against `{pred.against}`"
+        lines.append(f"- `{pred.arm}`: {what}{against} {pred.bound()} (written {pred.written}; {c.source}): "
+                     f"{measured}: {verdict}.{hypothesis}")
     return lines + [""]
 
 

@@ -365,13 +365,15 @@ def _sweep_predictions(records: Sequence[schema.SweepTags], current: Mapping[str
 
 def check_predictions(predictions: Sequence[tuple[Prediction, str]], groups: Sequence[Group],
                       reference: Group | None, splits: Sequence[str]) -> list[PredictionCheck]:
-    """Each prediction, with its source, checked on ``groups``: its arm against the control (mean over seeds), held
-    or not only where both have finished and converged (a Δ between runs cut short answers nothing)."""
-    control = next((g for g in groups if g.control), None)
+    """Each prediction, with its source, checked on ``groups``: its arm against the control or the arm it names
+    (mean over seeds), held or not only where both have finished and converged (a Δ between runs cut short answers
+    nothing)."""
     out: list[PredictionCheck] = []
     for pred, source in predictions:
+        control = next((g for g in groups if (g.control if pred.against == CONTROL else g.label == pred.against)),
+                       None)
         arm = next((g for g in groups if g.label == pred.arm and not g.control), None)
-        missing = ("no control in these runs" if control is None
+        missing = (f"no run of {pred.against} in these runs" if control is None
                    else f"no run of {pred.arm} in these runs" if arm is None else "")
         if missing:
             out.append(PredictionCheck(pred, source, why=missing))

@@ -200,16 +200,18 @@ PREDICTION_MEASURES = ("bleu:", "fit:train_nll", "fit:valid_nll")
 
 @dataclass(frozen=True)
 class Prediction:
-    """What one arm will do against the control, written down before any run of its study: the study's report
-    checks it on the runs and says whether it held (``nmtcore.sweep.results.check_predictions``).
+    """What one arm will do against the control (or another arm), written down before any run of its study: the
+    study's report checks it on the runs and says whether it held (``nmtcore.sweep.results.check_predictions``).
 
     Args:
         arm: the arm it is about.
-        measure: ``bleu:<test set>`` (the arm's ΔBLEU against the control), ``fit:train_nll`` or
-            ``fit:valid_nll`` (the arm's NLL minus the control's, each at its lowest validation NLL).
+        measure: ``bleu:<test set>`` (the arm's ΔBLEU against ``against``), ``fit:train_nll`` or
+            ``fit:valid_nll`` (the arm's NLL minus ``against``'s, each at its lowest validation NLL).
         at_least / at_most: the bound(s) the measure is predicted to keep (one or both).
         written: when it was written (``2026-12-06 00:05``), before any run of the study.
         hypothesis: what it tests, in a sentence.
+        against: what the arm is compared with: the control, or an arm by name, of this study or of a sweep its
+            report pools (a follow-up's arm against the original study's).
     """
 
     arm: str
@@ -218,6 +220,7 @@ class Prediction:
     at_most: float | None = None
     written: str = ""
     hypothesis: str = ""
+    against: str = CONTROL
 
     def __post_init__(self) -> None:
         if not (self.measure in PREDICTION_MEASURES[1:]
@@ -231,6 +234,8 @@ class Prediction:
                              f"{self.at_most}")
         if not self.written:
             raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): say when it was written (written=...)")
+        if self.against == self.arm:
+            raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): an arm against itself")
 
     def bound(self) -> str:
         """``≥ -0.30``, ``≤ 0.00`` or ``in [-0.30, +0.50]``."""
@@ -247,13 +252,14 @@ class Prediction:
 
     def describe(self) -> dict[str, Any]:
         return {"arm": self.arm, "measure": self.measure, "at_least": self.at_least, "at_most": self.at_most,
-                "written": self.written, "hypothesis": self.hypothesis}
+                "written": self.written, "hypothesis": self.hypothesis, "against": self.against}
 
     @classmethod
     def from_description(cls, d: Mapping[str, Any]) -> "Prediction":
         """The inverse of :meth:`describe` (a sweep's recorded space)."""
         return cls(**{k: d.get(k) for k in ("arm", "measure", "at_least", "at_most")},
-                   written=d.get("written") or "", hypothesis=d.get("hypothesis") or "")
+                   written=d.get("written") or "", hypothesis=d.get("hypothesis") or "",
+                   against=d.get("against") or CONTROL)
 
 
 # ---------------------------------------------------------------------------------- the space
@@ -349,8 +355,8 @@ class SearchSpace:
         for pred in self.predictions:
             if pred.arm not in self.arms:
                 raise SpaceError(f"{name}: a prediction names arm {pred.arm!r}, not an arm ({', '.join(self.arms)})")
-            if self.protocol is None or not self.protocol.control:
-                raise SpaceError(f"{name}: predictions compare an arm with the control, and this study has none")
+            if pred.against == CONTROL and (self.protocol is None or not self.protocol.control):
+                raise SpaceError(f"{name}: a prediction compares {pred.arm} with the control, and this study has none")
 
     # ------------------------------------------------------------------ views
     @property
