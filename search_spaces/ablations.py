@@ -161,7 +161,7 @@ SPACES = {
         citation="PLM-sponsored NMT (seed 001), Table 3's full model with another KD teacher layer (not in the paper)",
         description="PLM-sponsored full model, KD from MiniLM's layer 4 instead of its top layer",
         predictions=(Prediction("full_teacher_l4", "bleu:test_2016_flickr", at_least=-0.3, against="no_kd",
-                                written="2026-12-05 16:30",
+                                written="2026-12-05 15:28",
                                 hypothesis="KD costs BLEU here because the teacher is MiniLM's top layer, trained "
                                            "for a pooled sentence embedding; from its layer 4 it does not."),)),
     # Document context (BERT as context encoder, seed 003): where C_B enters the model (Table 3)...
