@@ -21,6 +21,7 @@ from nmtcore.sweep import driver, lifecycle, plan, progress, ray_backend, timing
 from nmtcore.sweep.ray_backend import callbacks as rb_callbacks, cluster as rb_cluster, tasks as rb_tasks
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import runs_of, tiny_base, tiny_settings
+from nmtcore.tracking import schema
 from search_spaces import SearchSpace, grid, loguniform, uniform
 
 
@@ -314,6 +315,9 @@ def test_smoke_sweep_one_parent_a_child_per_trial_with_metrics(ray_cluster, stor
 
     daemons = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
     assert len(daemons) == 2 and all(p.nice() == ray_backend.CONTROL_PLANE_NICE for p in daemons), daemons
+    # The trials, started by that raylet at its 19, trained at Ray's worker niceness (where the suite may lower one).
+    if can_lower_nice():
+        assert {c.tags[schema.NICE] for c in children} == {str(rb_cluster.WORKER_NICE)}
     # The first two trials ran at once on the 2 CPUs.
     (a, b, _) = sorted(children, key=lambda r: r.start_time)
     assert b.start_time < a.end_time
@@ -395,6 +399,45 @@ def test_a_pre_sweep_task_waits_for_the_cpus_the_last_one_returns(monkeypatch):
     monkeypatch.setattr(rb_tasks.ray, "available_resources", lambda: {"CPU": 1.0})
     monkeypatch.setattr(rb_tasks.time, "monotonic", tick)
     assert ray_backend.free_cpus(2.0, settle_s=5.0) == 1.0 and clock[0] <= 8
+
+
+def can_lower_nice() -> bool:
+    """Whether this process may lower a niceness (root, CAP_SYS_NICE or RLIMIT_NICE): tried in a child."""
+    import subprocess
+    import sys
+
+    code = "import os; os.nice(1); os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_a_worker_the_reniced_raylet_started_takes_rays_worker_niceness_back():
+    """A worker started at the control plane's 19 (as the local cluster's reniced raylet starts them) brings every
+    thread, those already running included, down to the niceness the local cluster's environment names, where
+    it may; without that variable (a joined cluster) nothing changes."""
+    import os
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread niceness is Linux's")
+    code = ("import os, threading, time; from nmtcore.sweep.ray_backend import restore_worker_nice; "
+            "threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n = restore_worker_nice(); "
+            "print(n, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
+
+    def worker(env: dict) -> str:
+        base = {k: v for k, v in os.environ.items() if k != rb_cluster.WORKER_NICE_VAR}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                             preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, ray_backend.CONTROL_PLANE_NICE))
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert rb_cluster.LOCAL_RAY_ENV[rb_cluster.WORKER_NICE_VAR] == str(rb_cluster.WORKER_NICE) == "15"
+    assert worker({}) == "0 [19]"
+    changed, nices = worker({rb_cluster.WORKER_NICE_VAR: "15"}).split(" ", 1)
+    if can_lower_nice():
+        assert int(changed) >= 2 and nices == "[15]"  # the main thread and the one already sleeping, at least
+    else:
+        assert (changed, nices) == ("0", "[19]")
 
 
 def test_the_control_plane_of_a_local_cluster_runs_below_its_trials(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -68,6 +69,8 @@ class TrackingCallback(Callback):
                      schema.LANGS: f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}",
                      schema.DEVICE: str(trainer.device), schema.AMP_DTYPE: str(trainer.amp_dtype),
                      schema.ALLOCATOR: allocator_in_use()})  # step times and memory depend on it
+        if hasattr(os, "getpriority"):  # POSIX
+            tags[schema.NICE] = str(os.getpriority(os.PRIO_PROCESS, 0))
         tags.update(bert_tags(trainer.model, self.cfg))
         self.tracker.set_tags(provenance_tags(tags))
         if trainer.state.history:  # resumed: the checkpoint may be newer than the run's record

@@ -25,6 +25,7 @@ LANGS = "nmtcore.langs"
 DEVICE = "nmtcore.device"
 AMP_DTYPE = "nmtcore.amp_dtype"
 ALLOCATOR = "nmtcore.allocator"
+NICE = "nmtcore.nice"  # the training process's niceness as it started: other work on the machine preempts a higher one
 WARM_START_SOURCE = "nmtcore.warm_start_source"
 WARM_START_LOADED = "nmtcore.warm_start_loaded"
 WARM_START_FRESH = "nmtcore.warm_start_fresh"

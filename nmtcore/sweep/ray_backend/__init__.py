@@ -56,6 +56,7 @@ from nmtcore.sweep.ray_backend.cluster import (
     how_many,
     init_ray,
     ray_is_running,
+    restore_worker_nice,
     shutdown_ray,
     single_node_idle_cpus,
     trials_that_fit,
@@ -84,6 +85,7 @@ from nmtcore.sweep.trial import SweepContext
 __all__ = ["ACTOR_MEMORY_STEP", "CONTROL_PLANE_NICE", "DRIVER_RESOURCES", "LOCAL_RAY_ENV", "RAY_ENV", "RESULT_POLL_S",
            "SweepContext", "TRIAL_PROCESS_TAG", "TrialTrainer", "TuneOutcome", "actor_memory", "check_cluster",
            "cluster_nodes", "driver_node_gpus", "first_keys", "free_cpus", "how_many", "init_ray", "num_samples",
-           "param_space", "preview_samples", "ray_is_running", "remove_leaked_placement_groups", "reuse_trial_actors",
-           "run_pre_sweep_task", "run_tune", "scheduler", "search_algorithm", "shutdown_ray", "single_node_idle_cpus",
-           "trial_actor_resources", "trials_that_fit", "workers_have", "yield_control_plane"]
+           "param_space", "preview_samples", "ray_is_running", "remove_leaked_placement_groups",
+           "restore_worker_nice", "reuse_trial_actors", "run_pre_sweep_task", "run_tune", "scheduler",
+           "search_algorithm", "shutdown_ray", "single_node_idle_cpus", "trial_actor_resources", "trials_that_fit",
+           "workers_have", "yield_control_plane"]

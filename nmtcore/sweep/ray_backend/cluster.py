@@ -53,7 +53,10 @@ RAY_ENV = {
 # preemption watcher, one more process per trial polling the GCS every 5 s for node drains, which a one-machine
 # cluster does not have. A one-epoch 2-thread trial on 2 cores paid 30-43% for the sweep without it against
 # 36-66% with it (bench/sweep_overhead.py, three pairs, noisy).
-LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# And the niceness a local cluster's workers take back (restore_worker_nice).
+WORKER_NICE_VAR = "NMTCORE_WORKER_NICE"
+WORKER_NICE = 15  # Ray's: the raylet starts its workers 15 above its own niceness (its worker_niceness), capped at 19
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", WORKER_NICE_VAR: str(WORKER_NICE)}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
@@ -151,7 +154,8 @@ def _raised_by_sigterm_handler(tb: Any) -> bool:
 # preempts a trial's threads at once, and a 2-thread trial on 2 cores waits for the preempted one. At nice 19 they
 # run beside the trials instead of ahead of them: inside a sweep, a 2-epoch 2-thread trial trained in 98.5 / 94.2 s
 # with the daemons (not yet the agents) at 19 against 102.5 / 98.3 s at Ray's default, in ABBA order (direct runs
-# 100.3 / 90.6 s; results/bench/2026-11-29-trial-in-actor/).
+# 100.3 / 90.6 s; results/bench/2026-11-29-trial-in-actor/). The workers the reniced raylet starts then begin at 19
+# too: each takes Ray's 15 back (restore_worker_nice).
 CONTROL_PLANE_NICE = 19
 
 
@@ -180,6 +184,27 @@ def yield_control_plane(nice: int = CONTROL_PLANE_NICE) -> int:
                     os.setpriority(os.PRIO_PROCESS, thread.id, nice)
                     changed += 1
         except (psutil.Error, OSError):  # gone, or not ours to change
+            continue
+    return changed
+
+
+def restore_worker_nice() -> int:
+    """In a worker of a local cluster (:data:`WORKER_NICE_VAR` set): every thread of this process whose niceness is
+    above the variable's value is brought down to it; returns how many. The raylet runs at :data:`CONTROL_PLANE_NICE`
+    (:func:`yield_control_plane`), so the workers it starts after that (trials, pre-sweep tasks, the baseline's)
+    begin there with it, 19, instead of at Ray's 15 above it, and any other work on the machine takes their cores.
+    Threads a thread starts later inherit its niceness. Lowering a niceness takes the privilege to (root,
+    CAP_SYS_NICE or RLIMIT_NICE): without it nothing changes. Linux only (per-thread niceness)."""
+    value = os.environ.get(WORKER_NICE_VAR, "")
+    if not value.lstrip("-").isdigit() or not sys.platform.startswith("linux"):
+        return 0
+    nice, changed = int(value), 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+                changed += 1
+        except OSError:  # not permitted, or the thread has ended
             continue
     return changed
 

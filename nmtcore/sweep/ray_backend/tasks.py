@@ -18,7 +18,7 @@ import ray.train
 from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress
 
 from nmtcore.sweep.ray_backend._private import remove_leaked_placement_groups
-from nmtcore.sweep.ray_backend.cluster import cluster_nodes, exit_quietly_on_sigterm
+from nmtcore.sweep.ray_backend.cluster import cluster_nodes, exit_quietly_on_sigterm, restore_worker_nice
 T = TypeVar("T")
 
 
@@ -49,6 +49,7 @@ def _pre_sweep_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     import torch
 
     exit_quietly_on_sigterm()
+    restore_worker_nice()
     lines: queue.Queue[Any] = queue.Queue()
     out: dict[str, Any] = {}
     logger = logging.getLogger("nmtcore")

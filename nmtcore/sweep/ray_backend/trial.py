@@ -68,7 +68,8 @@ from nmtcore.sweep.trial import (
 from nmtcore.tracking import schema
 
 from nmtcore.sweep.ray_backend._private import TrialTrainer, poll_less
-from nmtcore.sweep.ray_backend.cluster import DRIVER_RESOURCES, exit_quietly_on_sigterm, single_node_idle_cpus
+from nmtcore.sweep.ray_backend.cluster import (DRIVER_RESOURCES, exit_quietly_on_sigterm, restore_worker_nice,
+                                               single_node_idle_cpus)
 
 log = logging.getLogger("nmtcore.sweep")
 
@@ -108,6 +109,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     TorchTrainer's workers."""
     poll_less()
     exit_quietly_on_sigterm()
+    restore_worker_nice()
     overrides = trial_overrides(ctx.space, config, ctx.base_seed)
     key = trial_key(overrides)
     existing = find_child_run(ctx.parent_run_id, key, ctx.tracking_uri)
@@ -279,6 +281,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     """A Ray Train worker, or the Tune trial actor itself (``TrialLaunch.in_actor``; Ray refuses ``ray.train``'s
     calls there): the unchanged nmtcore experiment, reporting through callbacks."""
     exit_quietly_on_sigterm()
+    restore_worker_nice()
     lc: TrialLaunch = loop_config[LAUNCH_KEY]
     cfg = ensure_bert(lc.cfg, threads=lc.threads)  # made once by the driver; here it only resolves
     in_actor = lc.in_actor
