@@ -331,7 +331,7 @@ class PredictionCheck:
     (``bleu:`` measures), the seeds it pools, and where the prediction came from."""
 
     prediction: Prediction
-    source: str  # "recorded with <sweep>" or "the study's definition now (<sweep> recorded none)"
+    source: str  # "recorded with <sweep>" or "the study's definition now: <sweep> recorded none"
     value: float | None = None
     held: bool | None = None
     why: str = ""
@@ -378,27 +378,24 @@ def check_predictions(predictions: Sequence[tuple[Prediction, str]], groups: Seq
         if missing:
             out.append(PredictionCheck(pred, source, why=missing))
             continue
-        ci, p, seeds = None, None, 0
+        ci, p = None, None
         if pred.measure.startswith("bleu:"):
             split = pred.measure.split(":", 1)[1]
             if split not in splits:
                 out.append(PredictionCheck(pred, source, why=f"{split} is not a test set of these runs"))
                 continue
-            a, c = mean(list(arm.bleu.get(split, {}).values())), mean(list(control.bleu.get(split, {}).values()))
-            value = None if a is None or c is None else a - c
-            seeds = len(arm.bleu.get(split, {}))
+            values = {g.label: list(g.bleu.get(split, {}).values()) for g in (arm, control)}
             comparison = arm.comparisons.get(split) if reference is control else None
             if comparison is not None and comparison.ci_low is not None:
                 ci, p = (comparison.ci_low, comparison.ci_high), comparison.p
         else:
             attr = "train_at_best" if pred.measure == "fit:train_nll" else "valid_at_best"
-            a, c = mean([getattr(f, attr) for f in arm.fit]), mean([getattr(f, attr) for f in control.fit])
-            value = None if a is None or c is None else a - c
-            seeds = len(arm.fit)
+            values = {g.label: [getattr(f, attr) for f in g.fit] for g in (arm, control)}
+        a, c = mean(values[arm.label]), mean(values[control.label])
+        value, seeds = (None if a is None or c is None else a - c), len(values[arm.label])
         unconverged = [g.label for g in (arm, control) if not g.converged]
         if value is None:
-            why = "no finished run of " + " and ".join(g.label for g in (arm, control)
-                                                       if not (g.bleu if pred.measure.startswith("bleu:") else g.fit))
+            why = "no finished run of " + " and ".join(label for label, xs in values.items() if mean(xs) is None)
             out.append(PredictionCheck(pred, source, why=why))
         elif unconverged:
             out.append(PredictionCheck(pred, source, value=value, ci=ci, p=p, seeds=seeds,
