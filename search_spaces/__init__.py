@@ -32,21 +32,11 @@ def get_space(spec: str) -> SearchSpace:
     return STUDIES[study][variant]
 
 
-def find_variant(spec: str) -> SearchSpace | None:
-    """The variant a sweep recorded as ``study:variant``, where the variant may carry the suffixes a sweep adds to
-    it (``-<budget>``, ``-<arm>+<arm>``, ``-smoke``): the study's variant it derives from; None if none is."""
-    study, _, variant = spec.partition(":")
-    spaces = STUDIES.get(study, {})
-    while variant not in spaces and "-" in variant:
-        variant = variant.rsplit("-", 1)[0]
-    return spaces.get(variant)
-
-
 def all_spaces() -> list[SearchSpace]:
     """Every variant of every study."""
     return [space for spaces in STUDIES.values() for space in spaces.values()]
 
 
 __all__ = ["ARM_KEY", "Choice", "Curve", "DEFAULT_VARIANT", "Grid", "Heatmap", "IntRange", "LogUniform", "STUDIES",
-           "MODULES", "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "find_variant", "get_space",
+           "MODULES", "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "get_space",
            "grid", "integer", "loguniform", "steps", "uniform"]

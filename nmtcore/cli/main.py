@@ -97,33 +97,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _study_predictions(sweeps: list[str], tracking_uri: str | None) -> dict[str, tuple[Any, ...]]:
-    """Each sweep's study's predictions as ``search_spaces`` defines them now, for the arms the sweep ran (its
-    report checks these where the sweep recorded none: it started before its study had them)."""
-    import search_spaces
-    from nmtcore import tracking
-    from nmtcore.sweep.lifecycle import find_sweep_run
-    from nmtcore.tracking import schema
-
-    uri = tracking.resolve_tracking_uri(tracking_uri)
-    out: dict[str, tuple[Any, ...]] = {}
-    for name in sweeps:
-        recorded = schema.SweepTags.from_tags(find_sweep_run(name, uri).tags, default_name=name)
-        space = search_spaces.find_variant(recorded.space)
-        if space is not None:
-            arms = recorded.space_description.get("arms") or {}
-            out[recorded.name] = tuple(p for p in space.predictions if p.arm in arms)
-    return out
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     """``nmtcore report``: a sweep's tables and figures rebuilt from MLflow alone, written to a folder."""
     from nmtcore import tracking
     from nmtcore.sweep import report
 
     sweeps = args.sweep if len(args.sweep) > 1 else args.sweep[0]
-    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap, against=args.against,
-                              current=_study_predictions(args.sweep, args.tracking_uri))
+    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap, against=args.against)
     out = Path(args.out or Path("reports") / "+".join(args.sweep))
     if args.against and not args.out:
         out = out / f"against-{args.against}"

@@ -197,8 +197,7 @@ _FINISHED = (TrialState.COMPLETE.value, TrialState.STOPPED_EARLY.value)  # a tri
 
 
 def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
-                 bootstrap_seed: int = 12345, against: str | None = None,
-                 current: Mapping[str, Sequence[Prediction]] | None = None) -> SweepReport:
+                 bootstrap_seed: int = 12345, against: str | None = None) -> SweepReport:
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
 
     Every configuration is compared with the control (else the space's reference); ``against`` names another
@@ -211,9 +210,7 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     a (config, seed) found in more than one sweep counts once, the first sweep's, with a warning.
 
     The predictions each sweep recorded (its space, tagged when it started or last resumed) are checked
-    (:func:`check_predictions`); ``current`` (sweep name → its study's predictions as defined now, from the caller,
-    which can read the studies) stands in for a sweep that recorded none (it started before its study had them),
-    and where it differs from what a sweep recorded, the recorded ones are checked, with a warning."""
+    (:func:`check_predictions`)."""
     uri = tracking.resolve_tracking_uri(tracking_uri)
     names = [sweep] if isinstance(sweep, str) else list(sweep)
     if not names:
@@ -306,8 +303,7 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         warnings.append("the pooled sweeps warm-started from different trainings of the shared baseline ("
                         + ", ".join(f"{name}: run {run}" for name, run in starts.items()) + "): each sweep's arms "
                         "pair with its own control, and the spread across its seeds includes the baseline's own")
-    predictions = _sweep_predictions(records, current or {}, warnings)
-    checks = check_predictions(predictions, groups, reference, splits)
+    checks = check_predictions(_sweep_predictions(records), groups, reference, splits)
     estimate = None
     if len(parents) == 1:  # a pooled report has no one estimate nor time split: each sweep's report has its own
         with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
@@ -331,7 +327,7 @@ class PredictionCheck:
     (``bleu:`` measures), the seeds it pools, and where the prediction came from."""
 
     prediction: Prediction
-    source: str  # "recorded with <sweep>" or "the study's definition now: <sweep> recorded none"
+    source: str  # "recorded with <sweep>"
     value: float | None = None
     held: bool | None = None
     why: str = ""
@@ -344,22 +340,12 @@ class PredictionCheck:
         return "not checkable yet" if self.held is None else ("held" if self.held else "did not hold")
 
 
-def _sweep_predictions(records: Sequence[schema.SweepTags], current: Mapping[str, Sequence[Prediction]],
-                       warnings: list[str]) -> list[tuple[Prediction, str]]:
-    """The predictions of the pooled sweeps, each once, with where it came from (see :func:`build_report`)."""
+def _sweep_predictions(records: Sequence[schema.SweepTags]) -> list[tuple[Prediction, str]]:
+    """The predictions the pooled sweeps recorded, each once, with the sweep that recorded it."""
     out: dict[Prediction, str] = {}
     for rec in records:
-        recorded = [Prediction.from_description(d) for d in rec.space_description.get("predictions") or []]
-        now = list(current.get(rec.name, ()))
-        if recorded and now and set(recorded) != set(now):
-            warnings.append(f"the study's predictions differ now from those recorded with {rec.name}: the recorded "
-                            "ones are checked")
-        if recorded:
-            for pred in recorded:
-                out.setdefault(pred, f"recorded with {rec.name}")
-        else:
-            for pred in now:
-                out.setdefault(pred, f"the study's definition now: {rec.name} recorded none")
+        for d in rec.space_description.get("predictions") or []:
+            out.setdefault(Prediction.from_description(d), f"recorded with {rec.name}")
     return list(out.items())
 
 

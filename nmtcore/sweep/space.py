@@ -252,6 +252,7 @@ class Prediction:
                 and (self.at_most is None or value <= self.at_most))
 
     def describe(self) -> dict[str, Any]:
+        """JSON-friendly, as the sweep records it with its space."""
         return {"arm": self.arm, "measure": self.measure, "at_least": self.at_least, "at_most": self.at_most,
                 "written": self.written, "hypothesis": self.hypothesis, "against": self.against}
 
