@@ -38,5 +38,5 @@ def all_spaces() -> list[SearchSpace]:
 
 
 __all__ = ["ARM_KEY", "Choice", "Curve", "DEFAULT_VARIANT", "Grid", "Heatmap", "IntRange", "LogUniform", "STUDIES",
-           "MODULES", "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "get_space",
-           "grid", "integer", "loguniform", "steps", "uniform"]
+           "MODULES", "SearchSpace", "SpaceError", "Uniform", "all_spaces", "choice", "get_space", "grid", "integer",
+           "loguniform", "steps", "uniform"]

@@ -207,10 +207,10 @@ def prediction_lines(report: SweepReport) -> list[str]:
     said = ""  # the hypothesis the line before gave: several predictions of one hypothesis say it once
     for c in report.predictions:
         pred = c.prediction
-        what = (f"ΔBLEU on {pred.measure.split(':', 1)[1]}" if pred.measure.startswith("bleu:")
+        what = (f"ΔBLEU on {pred.test_split}" if pred.test_split
                 else f"Δ {'training' if pred.measure == 'fit:train_nll' else 'validation'} NLL")
         measured = "not measured yet" if c.value is None else "measured " + (
-            f"{c.value:+.{2 if pred.measure.startswith('bleu:') else 3}f}"
+            f"{c.value:+.{2 if pred.test_split else 3}f}"
             + (f" [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}], p {_p(c.p)}" if c.ci is not None and c.p is not None else "")
             + f" ({c.seeds} seed{'s' * (c.seeds != 1)})")
         verdict = f"**{c.verdict()}**" + (f" ({c.why})" if c.why else "")

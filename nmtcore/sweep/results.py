@@ -21,7 +21,7 @@ from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep import timing
 from nmtcore.sweep.lifecycle import ARM_TAG, CONTROL_TAG, TrialState, find_sweep_run, sweep_children, trial_state
-from nmtcore.sweep.space import CONTROL, Prediction
+from nmtcore.sweep.space import CONTROL, FIT_MEASURES, Prediction
 from nmtcore.tracking import schema
 from nmtcore.tracking.callback import STOPPED_BY_TAG
 
@@ -323,8 +323,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
 class PredictionCheck:
     """A prediction (:class:`~nmtcore.sweep.space.Prediction`) against the runs: the measured value (None: not
     measured yet), whether the prediction held (None: not checkable: a run it needs has not finished or not
-    converged; ``why`` says which), the bootstrap's CI and p where the report's reference is the control
-    (``bleu:`` measures), the seeds it pools, and where the prediction came from."""
+    converged; ``why`` says which), the bootstrap's CI and p where the report's reference is what the arm is
+    against (``bleu:`` measures), the seeds it pools, and where the prediction came from."""
 
     prediction: Prediction
     source: str  # "recorded with <sweep>"
@@ -356,30 +356,28 @@ def check_predictions(predictions: Sequence[tuple[Prediction, str]], groups: Seq
     nothing)."""
     out: list[PredictionCheck] = []
     for pred, source in predictions:
-        control = next((g for g in groups if (g.control if pred.against == CONTROL else g.label == pred.against)),
-                       None)
+        base = next((g for g in groups if (g.control if pred.against == CONTROL else g.label == pred.against)), None)
         arm = next((g for g in groups if g.label == pred.arm and not g.control), None)
-        missing = (f"no run of {pred.against} in these runs" if control is None
+        missing = (f"no run of {pred.against} in these runs" if base is None
                    else f"no run of {pred.arm} in these runs" if arm is None else "")
         if missing:
             out.append(PredictionCheck(pred, source, why=missing))
             continue
         ci, p = None, None
-        if pred.measure.startswith("bleu:"):
-            split = pred.measure.split(":", 1)[1]
+        split = pred.test_split
+        if split:
             if split not in splits:
                 out.append(PredictionCheck(pred, source, why=f"{split} is not a test set of these runs"))
                 continue
-            values = {g.label: list(g.bleu.get(split, {}).values()) for g in (arm, control)}
-            comparison = arm.comparisons.get(split) if reference is control else None
+            values = {g.label: list(g.bleu.get(split, {}).values()) for g in (arm, base)}
+            comparison = arm.comparisons.get(split) if reference is base else None
             if comparison is not None and comparison.ci_low is not None:
                 ci, p = (comparison.ci_low, comparison.ci_high), comparison.p
         else:
-            attr = "train_at_best" if pred.measure == "fit:train_nll" else "valid_at_best"
-            values = {g.label: [getattr(f, attr) for f in g.fit] for g in (arm, control)}
-        a, c = mean(values[arm.label]), mean(values[control.label])
-        value, seeds = (None if a is None or c is None else a - c), len(values[arm.label])
-        unconverged = [g.label for g in (arm, control) if not g.converged]
+            values = {g.label: [getattr(f, FIT_MEASURES[pred.measure]) for f in g.fit] for g in (arm, base)}
+        a, b = mean(values[arm.label]), mean(values[base.label])
+        value, seeds = (None if a is None or b is None else a - b), len(values[arm.label])
+        unconverged = [g.label for g in (arm, base) if not g.converged]
         if value is None:
             why = "no finished run of " + " and ".join(label for label, xs in values.items() if mean(xs) is None)
             out.append(PredictionCheck(pred, source, why=why))

@@ -195,7 +195,8 @@ def _fmt(v: Any) -> str:
 # What a prediction may bound: the arm's ΔBLEU against the control on a test set (``bleu:<test set>``, mean over
 # seeds), or its NLL at each run's lowest validation NLL against the control's (``fit:train_nll``,
 # ``fit:valid_nll``; bits per target token, nmtcore.sweep.results.Fit).
-PREDICTION_MEASURES = ("bleu:", "fit:train_nll", "fit:valid_nll")
+BLEU_MEASURE = "bleu:"  # + a test set
+FIT_MEASURES = {"fit:train_nll": "train_at_best", "fit:valid_nll": "valid_at_best"}  # measure -> Fit's field
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,7 @@ class Prediction:
     against: str = CONTROL
 
     def __post_init__(self) -> None:
-        if not (self.measure in PREDICTION_MEASURES[1:]
-                or self.measure.startswith(PREDICTION_MEASURES[0]) and len(self.measure) > len(PREDICTION_MEASURES[0])):
+        if self.measure not in FIT_MEASURES and not self.test_split:
             raise SpaceError(f"prediction for {self.arm!r}: measure {self.measure!r} is none of "
                              "bleu:<test set>, fit:train_nll, fit:valid_nll")
         if self.at_least is None and self.at_most is None:
@@ -237,6 +237,11 @@ class Prediction:
             raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): say when it was written (written=...)")
         if self.against == self.arm:
             raise SpaceError(f"prediction for {self.arm!r} ({self.measure}): an arm against itself")
+
+    @property
+    def test_split(self) -> str:
+        """The test set of a ``bleu:`` measure; "" for the others."""
+        return self.measure[len(BLEU_MEASURE):] if self.measure.startswith(BLEU_MEASURE) else ""
 
     def bound(self) -> str:
         """``≥ -0.30``, ``≤ 0.00`` or ``in [-0.30, +0.50]``."""

@@ -109,7 +109,6 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
     TorchTrainer's workers."""
     poll_less()
     exit_quietly_on_sigterm()
-    restore_worker_nice()
     overrides = trial_overrides(ctx.space, config, ctx.base_seed)
     key = trial_key(overrides)
     existing = find_child_run(ctx.parent_run_id, key, ctx.tracking_uri)
