@@ -209,7 +209,7 @@ class Prediction:
         measure: ``bleu:<test set>`` (the arm's ΔBLEU against ``against``), ``fit:train_nll`` or
             ``fit:valid_nll`` (the arm's NLL minus ``against``'s, each at its lowest validation NLL).
         at_least / at_most: the bound(s) the measure is predicted to keep (one or both).
-        written: when it was written (``2026-12-06 00:05``), before any run of the study: the time of the commit
+        written: when it was written (``YYYY-MM-DD HH:MM``), before any run of the study: the time of the commit
             that first recorded it, which ``git log`` can confirm.
         hypothesis: what it tests, in a sentence.
         against: what the arm is compared with: the control, or an arm by name, of this study or of a sweep its
