@@ -8,6 +8,7 @@ from nmtcore.engine.experiment import (
            run_experiment,
            setup_torch,
 )
+from nmtcore.engine.shared_phases import PhaseShare, SharedStart
 from nmtcore.engine.trainer import (
            Callback,
            FitResult,
@@ -17,5 +18,5 @@ from nmtcore.engine.trainer import (
 )
 from nmtcore.engine.warm_start import WarmStart, warm_start
 
-__all__ = ["Callback", "FitResult", "NonFiniteLossError", "RunSummary", "TestScore", "TrainState", "Trainer",
-           "WarmStart", "WarmStartSummary", "build_trainer", "run_experiment", "setup_torch", "warm_start"]
+__all__ = ["Callback", "FitResult", "NonFiniteLossError", "PhaseShare", "RunSummary", "SharedStart", "TestScore",
+           "TrainState", "Trainer", "WarmStart", "WarmStartSummary", "build_trainer", "run_experiment", "setup_torch", "warm_start"]

@@ -17,6 +17,7 @@ from nmtcore import bleu
 from nmtcore.bert import ensure_bert
 from nmtcore.config import ExperimentConfig
 from nmtcore.data import PreparedData, prepare_data
+from nmtcore.engine.shared_phases import PhaseShare
 from nmtcore.engine.summary import RunSummary, TestScore, WarmStartSummary
 from nmtcore.engine.trainer import Callback, Trainer
 from nmtcore.engine.warm_start import warm_start
@@ -42,15 +43,18 @@ def build_trainer(cfg: ExperimentConfig, data: PreparedData | None = None, callb
 
 
 def run_experiment(cfg: ExperimentConfig, callbacks: Sequence[Callback] = (), resume: bool = True,
-                   device: torch.device | None = None, data: PreparedData | None = None) -> RunSummary:
-    """Prepare data, build the registered model, train (resuming if checkpoints exist; else warm-starting
+                   device: torch.device | None = None, data: PreparedData | None = None,
+                   phase_share: PhaseShare | None = None) -> RunSummary:
+    """Prepare data, build the registered model, train (resuming if checkpoints exist; else, with a
+    ``phase_share``, starting where another run's first phases ended if they are this run's; else warm-starting
     from ``train.init_from`` if set), then decode every test split with ``cfg.decode`` and score it."""
     cfg = ensure_bert(cfg)  # resolve (or make here) the experiment's BERT before the model is built
     trainer = build_trainer(cfg, data, callbacks, device)
     cfg, data, model = trainer.cfg, trainer.data, trainer.model
     resumed = trainer.resume() if resume else False
+    shared = trainer.start_shared(phase_share) if phase_share is not None else False
     warm = None
-    if cfg.train.init_from and not resumed:
+    if cfg.train.init_from and not resumed and not shared:
         loaded = warm_start(model, cfg.train.init_from, cfg, data.vocab)
         warm = WarmStartSummary(source=cfg.train.init_from, loaded=len(loaded.loaded), fresh=len(loaded.fresh))
     fit = trainer.fit()

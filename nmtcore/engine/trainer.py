@@ -60,6 +60,7 @@ from nmtcore.engine.phases import (
     schedule_length,
     start_schedule,
 )
+from nmtcore.engine.shared_phases import PhaseShare, SharedStart, keep_phase_end, start_from_shared
 from nmtcore.engine.stopping import StopRule, stopped_by
 from nmtcore.engine.summary import FitResult, RunSummary
 from nmtcore.models import NMTModel
@@ -158,6 +159,8 @@ class Trainer:
             self.enter_phase(0)
         self.save_dir = Path(cfg.train.save_dir or Path(cfg.output_dir) / "checkpoints").resolve()
         self.train_tokens_per_s = 0.0
+        self.share: PhaseShare | None = None  # where phase ends are kept and found (nmtcore.engine.shared_phases)
+        self.shared_start: SharedStart | None = None  # set when this run started from another's phases
 
     def _wrap_ddp(self) -> None:
         """The module the training forward goes through: the model, in DDP over ranks, compiled with
@@ -453,6 +456,14 @@ class Trainer:
             return True
         return False
 
+    def start_shared(self, share: PhaseShare) -> bool:
+        """Keep this run's phase ends in ``share`` and, unless it has trained already, start it where another run's
+        first phases ended when those are this schedule's (:mod:`nmtcore.engine.shared_phases`). True: it did."""
+        self.share = share
+        if self.state.epoch == 0 and self.phases:
+            self.shared_start = start_from_shared(self, share)
+        return self.shared_start is not None
+
     def restore(self, ckpt: dict[str, Any], source: str) -> None:
         """Load a checkpoint's state (weights, optimizer, counters, RNG), entering its phase first."""
         if ckpt["vocab"]["checksum"] != self.data.vocab.checksum:
@@ -464,13 +475,17 @@ class Trainer:
             self.enter_phase(saved_phase(self.phases, ts["history"], ts["epoch"]))
         load_model_weights(self.model, ckpt["model"], source)
         self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.adopt_state(ts)
+        torch.set_rng_state(ckpt["rng"]["torch"])
+
+    def adopt_state(self, ts: dict[str, Any]) -> None:
+        """Take a checkpoint's counters, stopping state and epoch history (``train_state``)."""
         self.state = TrainState(epoch=ts["epoch"], num_updates=ts["num_updates"],
                                 best_valid_loss=ts["best_valid_loss"], best_epoch=ts["best_epoch"],
                                 bad_epochs=ts["bad_epochs"], history=list(ts["history"]),
                                 # a checkpoint from before the stopping rule ranked epochs by validation loss
                                 best_score=ts.get("best_score", ts["best_valid_loss"]
                                                   if self.stop_rule.metric == "valid_loss" else math.nan))
-        torch.set_rng_state(ckpt["rng"]["torch"])
 
     def divergence(self, figure: str, value: float, update: int) -> NonFiniteLossError:
         """The one-line error for a diverged run: which update, which figure and value, what is kept, what to
@@ -499,6 +514,8 @@ class Trainer:
                 break
             epoch = self.state.epoch + 1
             if self.phases and self.phase_index < len(self.phases) - 1 and self.phase_ended():
+                if self.share is not None:  # another run whose schedule begins as this one's may start here
+                    keep_phase_end(self, self.share, self.phase_index)
                 self.enter_phase(self.phase_index + 1)
                 # Early stopping and "best" restart with each phase: the final model comes from the last.
                 self.state.best_valid_loss, self.state.best_score, self.state.bad_epochs = math.inf, math.nan, 0

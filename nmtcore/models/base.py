@@ -11,7 +11,7 @@ A model is a ``torch.nn.Module`` with four required methods:
 
 and optional hooks, declared here with their defaults so the trainer never probes a model with
 ``hasattr``: :meth:`NMTModel.prepare` (preprocessing before the model is built), :meth:`parameter_groups`,
-:meth:`default_phases` and :meth:`set_phase` (phases are data the trainer reads), and
+:meth:`default_phases`, :meth:`set_phase` and :meth:`prefix_signature` (phases are data the trainer reads), and
 :attr:`has_kd_teacher` / :attr:`idle_kd_teacher_allowed` (knowledge distillation), and the diagnostics of
 how much a model uses BERT (:meth:`inference_switches`, :meth:`bert_usage`, :meth:`usage_probe`; read by
 :mod:`nmtcore.diagnostics` after training). Losses live outside the model (:mod:`nmtcore.engine.losses`).
@@ -20,8 +20,9 @@ how much a model uses BERT (:meth:`inference_switches`, :meth:`bert_usage`, :met
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable, Iterator
 
 from torch import Tensor, nn
 
@@ -145,6 +146,13 @@ class NMTModel(nn.Module):
 
     def set_phase(self, phase: PhaseConfig) -> None:
         """Told by the trainer when a phase begins (e.g. BERT-JAM's GLU scale). Default: nothing."""
+
+    def prefix_signature(self, phases: tuple[PhaseConfig, ...]) -> dict[str, Any]:
+        """What training through ``phases``, the first phases of this model's schedule, computes, as plain data: two
+        models with equal signatures train those phases alike from the same seed and data, so one run may start
+        where the other's ended (:mod:`nmtcore.engine.shared_phases`). Default: the whole model config and the
+        phases as they are (only the same model shares)."""
+        return {"model": dataclasses.asdict(self.cfg), "phases": [dataclasses.asdict(p) for p in phases]}
 
     @property
     def has_kd_teacher(self) -> bool:

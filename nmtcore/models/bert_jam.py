@@ -20,7 +20,9 @@ BERT layers, and a three-phase optimisation schedule.
 
 Ablations (Table 7) are explicit fields, each a registered variant (:mod:`nmtcore.models`):
 M1 ``glu="weighted_sum"`` (B = Σ α_i B_i, no gate, no ×2); M2 ``bert_layers="last"`` (B = B_L, no GLU,
-no phase 2: phase 1 takes its epochs); M3 ``schedule`` without ``warmup`` (phase 2 takes its epochs).
+no phase 2: phase 1 takes its epochs); M3 ``schedule`` without ``warmup`` (phase 2 takes its epochs). M0, M1 and M2
+warm up alike (:meth:`BertJam.prefix_signature`), so a sweep trains that phase once
+(:mod:`nmtcore.engine.shared_phases`).
 
 The schedule is honoured or refused (:mod:`nmtcore.engine.phases`): a ``train.max_epochs`` shorter than
 the phases is an error before training, never a silent cut. Deliberate departures from the paper, each for
@@ -64,7 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -229,6 +231,11 @@ class BertJamDecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------- the model
+# The config fields that tell M0-M3 apart (and the registered name each set of them has): a warm-up that leaves the
+# GLU at its initialisation computes the same whatever they say (BertJam.prefix_signature).
+VARIANT_FIELDS = ("name", "glu", "bert_layers", "schedule", "phase_epochs")
+
+
 class BertJam(Transformer):
     """BERT-JAM: the baseline's embeddings and output layer, joint-attention layer stacks, one BERT."""
 
@@ -328,6 +335,22 @@ class BertJam(Transformer):
     def set_phase(self, phase: PhaseConfig) -> None:
         """The trainer's phase hook: the GLU scale of this phase."""
         self.glu_scale.fill_(phase.glu_scale)
+
+    def prefix_signature(self, phases: tuple[PhaseConfig, ...]) -> dict[str, Any]:
+        """The default, but where no phase of ``phases`` trains the GLU: it stays at Eq. 11's initialisation, where
+        each variant's BERT memory is B_L times a factor (gated: the phase's scale × σ(0); M1: the scale; M2: 1) and
+        its weights drew nothing from the RNG, so M0, M1 and M2 train their warm-up alike. The signature then holds
+        that factor instead of the variant's fields and the phases' GLU scales."""
+        sig = super().prefix_signature(phases)
+        if any("glu" in p.trainable for p in phases):
+            return sig
+        cfg: BertJamConfig = self.cfg  # type: ignore[assignment]
+        gate = 0.5 if cfg.glu == "glu" else 1.0  # σ(β · B) at β = 0
+        factors = [p.glu_scale * gate if cfg.bert_layers == "all" else 1.0 for p in phases]
+        model = {k: v for k, v in sig["model"].items() if k not in VARIANT_FIELDS}
+        return {"model": {**model, "bert_memory": "B_L"},
+                "phases": [{**{k: v for k, v in p.items() if k != "glu_scale"}, "bert_memory_factor": f}
+                           for p, f in zip(sig["phases"], factors)]}
 
     # ------------------------------------------------------------------ pieces
     def compose(self, layers: list[nn.Module], states: Tensor) -> list[Tensor]:
