@@ -54,7 +54,7 @@ def test_a_resumed_trial_reports_the_epochs_ray_never_received(tmp_path: Path, m
     monkeypatch.setattr(rb_trial.tune, "report", tune_report)
     save_dir = tmp_path / "checkpoints"
     _epoch_file(save_dir, 8), _epoch_file(save_dir, 9)
-    trainer = SimpleNamespace(state=SimpleNamespace(history=_history(9)), save_dir=save_dir, rank=0)
+    trainer = SimpleNamespace(state=SimpleNamespace(history=_history(9)), save_dir=save_dir, rank=0, shared_start=None)
     report = rb_trial._RayReport("valid_bleu", in_actor=True, reported_epoch=reported)
     report.on_train_start(trainer)
 

@@ -329,7 +329,20 @@ def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
         bert_footprints=dict(footprints), trial_memory_bytes=trial_memory_bytes(space, base, footprints),
         borrow_idle_cpus=settings.borrow_idle_cpus and one_cpu_worker,
         borrow_check_s=settings.borrow_check_s, worker_env=dict(worker_env),
-        in_actor=in_actor, data_checksums=dict(data or {}), reuse_trials=settings.reuse_trials)
+        in_actor=in_actor, data_checksums=dict(data or {}), reuse_trials=settings.reuse_trials,
+        phase_store=phase_store(settings))
+
+
+def phase_store(settings: SweepSettings) -> str:
+    """Where this sweep's trials keep their phase ends and find other sweeps' (:mod:`nmtcore.engine.shared_phases`):
+    ``<storage>/phase-ends``, shared by every sweep of that storage; "" (nothing shared) with ``--no-reuse-trials``
+    or a storage that is not a local path."""
+    if not settings.reuse_trials or is_uri(settings.storage):
+        return ""
+    return str(Path(settings.storage) / PHASE_ENDS)
+
+
+PHASE_ENDS = "phase-ends"
 
 
 def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,

@@ -167,6 +167,11 @@ def render_markdown(report: SweepReport) -> str:
         head += ["Trained before, copied into this sweep, not trained again (the same config, seed, code, data and "
                  "starting weights; their cost columns are the original runs'): " + "; ".join(report.reused()) + ".",
                  ""]
+    if report.shared_phases():
+        head += ["Started where another trial's first phases ended, those phases not trained again (the same "
+                 "computation by the model's own account, `nmtcore.engine.shared_phases`: BERT-JAM's M0-M2 warm-up; "
+                 "their epochs are in the curves, their cost is the other trial's): "
+                 + "; ".join(report.shared_phases()) + ".", ""]
     if report.estimate:
         est = report.estimate
         phases = "; ".join(f"{p['name']} {p['seconds'] / 60:.1f} min" for p in est.get("phases", []))
@@ -376,7 +381,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
-            "reused": report.reused(),
+            "reused": report.reused(), "shared_phases": report.shared_phases(),
             "fit": {g.label: [dataclasses.asdict(f) for f in g.fit] for g in report.groups if g.fit},
             "predictions": [{**c.prediction.describe(), "source": c.source, "value": c.value, "held": c.held,
                              "verdict": c.verdict(), "why": c.why, "ci": c.ci, "p": c.p, "seeds": c.seeds}

@@ -160,6 +160,12 @@ class SweepReport:
         return [f"`{r.run_name}` is `{r.tags.get(schema.REUSED_FROM_SWEEP, '?')}`'s run `{r.tags[schema.REUSED_FROM]}`"
                 for g in self.groups for r in g.runs if r.tags.get(schema.REUSED_FROM)]
 
+    def shared_phases(self) -> list[str]:
+        """The trials that started where another trial's first phases ended (:mod:`nmtcore.engine.shared_phases`):
+        each one's name and what it took from whom."""
+        return [f"`{r.run_name}`: {r.tags[schema.SHARED_PHASES]}"
+                for g in self.groups for r in g.runs if r.tags.get(schema.SHARED_PHASES)]
+
     def unconverged_runs(self) -> dict[str, int]:
         """The completed runs (arms and control) that did not converge, counted by what stopped them: a rule other
         than patience, or patience while still improving (:data:`IMPROVING`)."""

@@ -38,6 +38,7 @@ import torch
 from nmtcore import tracking
 from nmtcore.config import SPEED_ONLY_KEYS, ExperimentConfig
 from nmtcore.devices import autocast_dtype
+from nmtcore.engine.shared_phases import context_config
 from nmtcore.models import model_class
 from nmtcore.sweep.archive import fill_run, run_record
 from nmtcore.sweep.baseline import code_digest
@@ -151,13 +152,28 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
 
 def reuse_key(cfg: ExperimentConfig, data_checksums: Mapping[str, str], device: str = "cpu") -> str:
     """The key of the trial that trains ``cfg`` on data with these checksums on a ``device`` ("cpu" or "cuda")."""
+    return _digest(cfg, {k: v for k, v in cfg.flat().items() if k not in NOT_RESULTS}, data_checksums, device)
+
+
+def phase_context(cfg: ExperimentConfig, data_checksums: Mapping[str, str], device: str = "cpu") -> str:
+    """The context of the trial's phase keys (:class:`nmtcore.engine.PhaseShare`): what :func:`reuse_key` holds but
+    the model's config and the schedule, which the model's signature of each prefix of its phases stands for
+    (:func:`nmtcore.engine.shared_phases.context_config`). Two trials of one model family, data, seed, code and
+    precision have the same context."""
+    config = context_config({k: v for k, v in cfg.flat().items() if k not in NOT_RESULTS})
+    return "phases:" + _digest(cfg, config, data_checksums, device)
+
+
+def _digest(cfg: ExperimentConfig, config: Mapping[str, Any], data_checksums: Mapping[str, str], device: str) -> str:
+    """SHA-256 (24 hex digits) of ``config`` with the data's checksums, the starting weights' content, the trial's
+    code, the libraries and the precision on ``device``."""
     start = cfg.train.init_from
     if start and Path(start).is_file():
         start = f"sha256:{file_sha256(start)}"
     # On a GPU the trial's precision is resolved on its worker, where this process may see no GPU: the setting.
     precision = (f"cuda:{cfg.train.precision}" if device == "cuda"
                  else f"cpu:{autocast_dtype(cfg.train.precision, 'cpu')}")
-    blob = json.dumps({"format": FORMAT, "config": {k: v for k, v in cfg.flat().items() if k not in NOT_RESULTS},
+    blob = json.dumps({"format": FORMAT, "config": dict(config),
                        "data": dict(data_checksums), "start": start or "none (from scratch)",
                        "code": trial_code(model_class(cfg.model).__module__),
                        "libraries": library_versions(), "precision": precision, "torch": torch.__version__},
@@ -194,4 +210,4 @@ def copy_trial(source: tracking.RunRecord, parent_run_id: str, trial_key: str, r
 
 
 __all__ = ["LIBRARIES", "NOT_CODE", "NOT_RESULTS", "REUSED_FROM_TAG", "REUSE_KEY_TAG", "copy_trial",
-           "find_trained", "library_versions", "other_family_files", "reuse_key", "trial_code"]
+           "find_trained", "library_versions", "other_family_files", "phase_context", "reuse_key", "trial_code"]

@@ -65,7 +65,9 @@ class SweepSettings:
             it then stops by sending its process SIGTERM, which the sweep's command turns into Tune's graceful
             stop (:mod:`nmtcore.sweep.timelimit`).
         reuse_trials: copy a finished trial of any sweep in the store whose reuse key is this trial's instead of
-            training it again (:mod:`nmtcore.sweep.reuse`).
+            training it again (:mod:`nmtcore.sweep.reuse`); and keep each trial's phase ends in
+            ``<storage>/phase-ends``, where a trial whose first phases are another's starts from them
+            (:mod:`nmtcore.engine.shared_phases`).
         estimate: print (and log to the parent run as ``estimate.json``) what the baseline and the trials will
             cost here once the shared work is done (:mod:`nmtcore.sweep.cost`); resumed, what is left of them
             (``estimate-left.json``); ``None`` counts as no.
@@ -114,7 +116,9 @@ class SweepSettings:
                                           "limit (nmtcore.sweep.timelimit)")
     reuse_trials: bool = option(True, "a trial already trained in this MLflow store by any sweep with the same "
                                       "config, seed, code, data and starting weights is copied into this sweep "
-                                      "instead of trained again (nmtcore.sweep.reuse)")
+                                      "instead of trained again (nmtcore.sweep.reuse); a trial whose first "
+                                      "phases another trial trained (BERT-JAM's M0-M2 warm-up) starts where they "
+                                      "ended (nmtcore.engine.shared_phases)")
     estimate: bool | None = option(None, "before the baseline and the trials, measure this machine's speed on every "
                                          "distinct trial model (a few updates each) and print what they will cost "
                                          "(default: real runs yes, a resumed one what is left of it; smoke tests no)")

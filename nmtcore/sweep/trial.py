@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nmtcore import tracking
 from nmtcore.checkpoint import epoch_checkpoints, load_checkpoint
 from nmtcore.config import ExperimentConfig
-from nmtcore.engine import RunSummary, Trainer
+from nmtcore.engine import PhaseShare, RunSummary, Trainer
 from nmtcore.sweep.lifecycle import ARM_PARAM, CONTROL_PARAM, TRIAL_STATE_TAG, TrialState
 from nmtcore.sweep.memory import BertFootprint, MemoryEstimate, trial_memory
 from nmtcore.sweep.plan import SEED_KEY, TRIAL_INDEX_KEY, bert_key, config_key, fmt, plain
@@ -61,6 +61,7 @@ class TrialLaunch:
     gpus: float = 0.0  # the trial's GPUs, all workers together (a cost figure)
     callbacks: tuple[Any, ...] = ()  # a caller's own trainer callbacks (tests inject faults this way)
     in_actor: bool = False  # train in the Tune actor (one CPU worker) rather than Ray Train's workers
+    phase_share: PhaseShare | None = None  # where its phase ends are kept and others' found (None: not shared)
 
     def __post_init__(self) -> None:
         if not self.run_id or not self.trial_key:
@@ -115,6 +116,7 @@ class SweepContext:
     in_actor: bool = False  # a one-worker CPU trial trains in its Tune actor (SweepSettings.trial_in_actor)
     data_checksums: Mapping[str, str] = field(default_factory=dict)  # of the prepared data (a reuse key's part)
     reuse_trials: bool = False  # copy a trial trained before with the same reuse key (nmtcore.sweep.reuse)
+    phase_store: str = ""  # where trials keep and find phase ends (nmtcore.engine.shared_phases); "": not shared
 
     def trial_estimate(self, cfg: ExperimentConfig) -> MemoryEstimate:
         """The memory estimate of the trial that trains ``cfg`` (its BERT's footprint included)."""
@@ -165,15 +167,26 @@ class TrialTracking(TrackingCallback):
         self.reporter, self.node_ids, self.gpus, self.extra_tags = reporter, node_ids, gpus, dict(extra_tags)
         self.t0 = time.perf_counter()
         self.earlier_s = 0.0  # the epochs earlier attempts of this trial finished (a resumed trial)
+        self.shared_s = 0.0  # the epochs of phases it took from another trial, as that trial measured them
 
     def on_train_start(self, trainer: Trainer) -> None:
         super().on_train_start(trainer)
         # A trial resumed from its checkpoint (a sweep stopped at a session's end, a crash): its restored history holds
-        # the epochs earlier attempts trained and validated, which its cost must count too.
-        self.earlier_s = sum(float(h.get("train_wall_s", 0.0)) + float(h.get("valid_wall_s", 0.0))
-                             for h in trainer.state.history)
-        self.tracker.set_tags({**self.extra_tags, schema.NODE_IDS: ",".join(self.node_ids),
-                               schema.WORLD_SIZE: trainer.world_size})
+        # the epochs earlier attempts trained and validated, which its cost must count too. The epochs of phases
+        # another trial trained (a shared start, this attempt's or an earlier one's) are that trial's cost.
+        shared = trainer.shared_start.epoch if trainer.shared_start is not None else self.shared_epochs()
+        self.shared_s = sum(_wall(h) for h in trainer.state.history if int(h.get("epoch", 0)) <= shared)
+        self.earlier_s = sum(_wall(h) for h in trainer.state.history if int(h.get("epoch", 0)) > shared)
+        tags = {**self.extra_tags, schema.NODE_IDS: ",".join(self.node_ids), schema.WORLD_SIZE: trainer.world_size}
+        if trainer.shared_start is not None:
+            tags.update({schema.SHARED_PHASES: trainer.shared_start.describe(),
+                         schema.SHARED_PHASES_EPOCHS: trainer.shared_start.epoch})
+        self.tracker.set_tags(tags)
+
+    def shared_epochs(self) -> int:
+        """The epochs this trial's run took from another's phases at an earlier attempt's start (0: none)."""
+        run = tracking.get_run(self.tracker.run_id, self.tracker.tracking_uri)
+        return int(run.tags.get(schema.SHARED_PHASES_EPOCHS, 0) or 0)
 
     def on_train_end(self, trainer: Trainer, summary: RunSummary) -> None:
         super().on_train_end(trainer, summary)
@@ -182,12 +195,23 @@ class TrialTracking(TrackingCallback):
         cost = {"cost/parameters": summary.parameters, "cost/trainable_parameters": summary.trainable_parameters,
                 "cost/train_tokens_per_s": summary.train_tokens_per_s,
                 "cost/wall_s": wall, "cost/cpu_s": self.reporter.cpu_s, "cost/gpu_s": wall * self.gpus,  # CPU: this attempt
-                **({"cost/earlier_attempts_s": self.earlier_s} if self.earlier_s else {})}
+                **({"cost/earlier_attempts_s": self.earlier_s} if self.earlier_s else {}),
+                **({"cost/shared_phases_s": self.shared_s} if self.shared_s else {})}
         self.tracker.log_metrics(cost, step=summary.epochs)
         for name in self.cfg.data.test_splits:
             refs = trainer.data.splits[name].raw_tgt
             self.tracker.log_text("".join(r + "\n" for r in refs), f"references/{name}.{self.cfg.data.tgt_lang}")
         self.tracker.set_tags({TRIAL_STATE_TAG: TrialState.COMPLETE.value})
+
+
+# The key of a Tune result that replays an epoch of phases another trial trained (nmtcore.engine.shared_phases); its
+# value says which phases and from whom.
+SHARED_KEY = "shared_phases"
+
+
+def _wall(epoch: Mapping[str, float]) -> float:
+    """An epoch's training and validation seconds (its history entry)."""
+    return float(epoch.get("train_wall_s", 0.0)) + float(epoch.get("valid_wall_s", 0.0))
 
 
 def last_epoch_metrics(cfg: ExperimentConfig) -> dict[str, float]:

@@ -67,6 +67,10 @@ IMPORTED_FROM = "nmtcore.imported_from"  # on a run made by ``nmtcore import``: 
 REUSE_KEY = "nmtcore.reuse_key"  # what decides a trial's results (:mod:`nmtcore.sweep.reuse`)
 REUSED_FROM = "nmtcore.reused_from"  # on a trial copied from an earlier one with its reuse key: that run's id
 REUSED_FROM_SWEEP = "nmtcore.reused_from_sweep"  # ...and that run's sweep
+# On a trial that started where another's first phases ended (nmtcore.engine.shared_phases): which phases, from whom;
+# and the epochs they took (the report counts them as the other trial's cost).
+SHARED_PHASES = "nmtcore.shared_phases"
+SHARED_PHASES_EPOCHS = "nmtcore.shared_phases_epochs"
 ARM = "nmtcore.arm"  # "control", or the arm's name ("L2-H128", "p_net=0.3", an ablation arm's name)
 CONTROL = "nmtcore.control"  # "true" on the control arm's runs
 STUDY = "nmtcore.study"

@@ -20,7 +20,7 @@ from nmtcore.sweep.plan import SEED_KEY, trial_key, trial_overrides, trial_point
 from nmtcore.sweep.progress import HEARTBEAT_S, PhaseProgress, console_line, duration
 from nmtcore.sweep.space import SearchSpace
 from nmtcore.sweep.timelimit import TimeLimit, clock_time
-from nmtcore.sweep.trial import SweepContext, failure_reason, is_out_of_memory, run_name
+from nmtcore.sweep.trial import SHARED_KEY, SweepContext, failure_reason, is_out_of_memory, run_name
 from nmtcore.tracking import schema
 
 from nmtcore.sweep.ray_backend._private import remove_leaked_placement_groups
@@ -118,6 +118,7 @@ class _TrialsConsole(tune.Callback):
         self.out = out or console_line
         self.heartbeat_s = heartbeat_s
         self.started: dict[str, float] = {}
+        self.said_shared: set[str] = set()  # the trials whose shared start has been told
         self._last_line = time.monotonic()
 
     def _say(self, text: str) -> None:
@@ -141,6 +142,12 @@ class _TrialsConsole(tune.Callback):
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
                         **info: Any) -> None:
+        if result.get(SHARED_KEY):  # an epoch of phases another trial trained (nmtcore.engine.shared_phases)
+            if trial.trial_id not in self.said_shared:
+                self.said_shared.add(trial.trial_id)
+                self._say(f"trial {self.name_of(trial)}: starts where another trial's phases ended, not trained "
+                          f"again: {result[SHARED_KEY]}")
+            return
         epoch = int(result.get("epoch") or 0)
         value = result.get(self.metric)
         shown = f" {self.metric} {value:.2f}" if isinstance(value, (int, float)) else ""

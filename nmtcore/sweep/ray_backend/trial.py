@@ -26,6 +26,7 @@ from nmtcore.checkpoint import epoch_checkpoints
 from nmtcore.engine import (
     Callback,
     NonFiniteLossError,
+    PhaseShare,
     RunSummary,
     Trainer,
     run_experiment,
@@ -51,6 +52,7 @@ from nmtcore.sweep.plan import (
 )
 from nmtcore.sweep.trial import (
     MEMORY_TAG,
+    SHARED_KEY,
     NonFiniteTrialError,
     SweepContext,
     TrialLaunch,
@@ -149,7 +151,7 @@ def _trial_main(config: dict[str, Any], ctx: SweepContext) -> None:
                          test_split=ctx.test_split, metric=ctx.metric, threads=ctx.threads_per_worker,
                          borrow_idle_cpus=ctx.borrow_idle_cpus, borrow_check_s=ctx.borrow_check_s,
                          gpus=ctx.gpus_per_worker * ctx.workers, callbacks=tuple(ctx.trial_callbacks),
-                         in_actor=ctx.in_actor)
+                         in_actor=ctx.in_actor, phase_share=_phase_share(cfg, ctx, f"{name} (run {run_id})"))
     try:
         if ctx.in_actor:  # this actor reserved the trial's CPUs and memory estimate (trial_actor_resources)
             _train_loop({LAUNCH_KEY: launch})
@@ -181,6 +183,20 @@ def _reuse_key(cfg: Any, ctx: SweepContext) -> str:
     except Exception as e:  # noqa: BLE001 - a key is an economy: the trial is not at stake
         logging.getLogger("nmtcore.sweep").warning("trial %s: no reuse key: %s: %s", cfg.name, type(e).__name__, e)
         return ""
+
+
+def _phase_share(cfg: Any, ctx: SweepContext, owner: str) -> PhaseShare | None:
+    """Where the trial keeps its phase ends and finds another trial's (:mod:`nmtcore.engine.shared_phases`); None
+    where the sweep shares none (``--no-reuse-trials``, a storage that is not a local path) or the context cannot be
+    made (the trial then trains every phase itself)."""
+    if not ctx.phase_store:
+        return None
+    try:
+        context = reuse.phase_context(cfg, ctx.data_checksums, "cuda" if ctx.gpus_per_worker > 0 else "cpu")
+    except Exception as e:  # noqa: BLE001 - sharing is an economy: the trial is not at stake
+        log.warning("trial %s: shares no phases: %s: %s", cfg.name, type(e).__name__, e)
+        return None
+    return PhaseShare(store=Path(ctx.phase_store), context=context, owner=f"{owner} of sweep {ctx.name}")
 
 
 def _trainer(ctx: SweepContext, key: str, memory_bytes: int, loop_config: dict[str, Any]) -> TrialTrainer:
@@ -227,15 +243,19 @@ class _RayReport(Callback):
         missing from Tune's record (and its schedulers) for good. The newest goes with its checkpoint."""
         missing = [m for m in trainer.state.history if int(m.get("epoch", 0)) > self.reported_epoch]
         newest = epoch_checkpoints(trainer.save_dir)[-1:] if trainer.rank == 0 else []
+        shared = trainer.shared_start
         for i, metrics in enumerate(missing):
             epoch = int(metrics["epoch"])
             last = i == len(missing) - 1 and newest and epoch_of(newest[0]) == epoch
+            if shared is not None and epoch <= shared.epoch:  # another trial's: the console says so once
+                metrics = {**metrics, SHARED_KEY: shared.describe()}
             self.on_epoch_end(trainer, epoch, metrics, newest[0] if last else None)
         self.reported_epoch = max([self.reported_epoch, *(int(m["epoch"]) for m in missing)])
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float],
                      checkpoint: Path | None) -> None:
-        report = first_keys({k: float(v) for k, v in metrics.items()}, epoch=float(epoch), metric=self.metric)
+        report = first_keys({k: v if isinstance(v, str) else float(v) for k, v in metrics.items()},
+                            epoch=float(epoch), metric=self.metric)
         self.last_epoch = dict(report)
         if checkpoint is None:
             self.report(report)
@@ -307,7 +327,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     # Rank 0's tracker ends the child run: FINISHED, FAILED with the one-line reason, or KILLED (stopped).
     with tracker if tracker is not None else contextlib.nullcontext():
         try:
-            summary = run_experiment(cfg, callbacks=callbacks, resume=True)
+            summary = run_experiment(cfg, callbacks=callbacks, resume=True, phase_share=lc.phase_share)
         except NonFiniteLossError:
             if tracker is not None:
                 tracker.set_tags({FAILURE_KIND_TAG: "nonfinite", TRIAL_STATE_TAG: TrialState.FAILED.value})
