@@ -85,7 +85,8 @@ def jam_run(tmp_path, name: str, out: str, **over):
 
 
 def test_m2_started_from_m0_s_warm_up_is_the_m2_that_trains_it_itself(tmp_path):
-    share = PhaseShare(store=tmp_path / "phase-ends", context="one data set, one code", owner="M0 (run 0)")
+    share = PhaseShare(store=tmp_path / "phase-ends", context="one data set, one code", owner="M0 (run 0)",
+                       ignore=("model.bert.activation_checkpointing",))
     # M0 trains its warm-up (two epochs) and keeps its end when its GLU phase begins (stopped in that phase).
     m0 = build_trainer(jam_run(tmp_path, "bert_jam", "m0"), callbacks=[InterruptAfter(3)], device=torch.device("cpu"))
     assert not m0.start_shared(share)  # nothing kept yet
@@ -120,6 +121,11 @@ def test_m2_started_from_m0_s_warm_up_is_the_m2_that_trains_it_itself(tmp_path):
         assert not other.start_shared(share) and other.state.epoch == 0
     m1 = jam_run(tmp_path, "bert_jam_m1", "m1")
     assert build_trainer(m1, device=torch.device("cpu")).start_shared(share)
+    # a setting the share ignores (it decides speed, not results) keeps the start
+    speed = not m1.model.bert.activation_checkpointing
+    assert build_trainer(m1.with_overrides({"model.bert.activation_checkpointing": speed,
+                                            "output_dir": str(tmp_path / "m1c")}),
+                         device=torch.device("cpu")).start_shared(share)
     capped = build_trainer(m1.with_overrides({"train.max_updates": 1, "output_dir": str(tmp_path / "m1b")}),
                            device=torch.device("cpu"))
     assert not capped.start_shared(share)

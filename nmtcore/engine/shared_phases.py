@@ -58,6 +58,7 @@ class PhaseShare:
     store: Path
     context: str
     owner: str = ""
+    ignore: tuple[str, ...] = ()  # flat config keys that decide no result (paths, speed-only switches): not in a key
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,26 @@ class SharedStart:
                 f"{self.owner or 'another run'}")
 
 
-def prefix_key(trainer: Any, context: str, k: int) -> str:
+def prefix_key(trainer: Any, share: PhaseShare, k: int) -> str:
     """The key of ``trainer``'s schedule's first ``k + 1`` phases."""
     signature = trainer.model.prefix_signature(trainer.phases[:k + 1])
+    signature = {**signature, "model": _without(signature["model"], "model.", share.ignore)}
     if trainer.cfg.train.phases_converge:  # each phase ends where the rule fires: its nominal length decides nothing
         signature = {**signature, "phases": [{**p, "epochs": "until convergence"} for p in signature["phases"]]}
-    blob = json.dumps({"format": FORMAT, "context": context, "signature": signature}, sort_keys=True, default=repr)
+    blob = json.dumps({"format": FORMAT, "context": share.context, "signature": signature}, sort_keys=True,
+                      default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _without(tree: dict[str, Any], prefix: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``tree`` (a config section as nested dicts, at flat prefix ``prefix``) without the flat ``keys``."""
+    out = {}
+    for name, value in tree.items():
+        flat = prefix + name
+        if flat in keys:
+            continue
+        out[name] = _without(value, flat + ".", keys) if isinstance(value, dict) else value
+    return out
 
 
 def context_config(flat: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +113,7 @@ def keep_phase_end(trainer: Any, share: PhaseShare, k: int) -> Path | None:
     checkpoint is no longer there (a run resumed past its phase's end). Rank 0 only."""
     if trainer.rank != 0:
         return None
-    key = prefix_key(trainer, share.context, k)
+    key = prefix_key(trainer, share, k)
     path = share.store / f"{key}.pt"
     newest = trainer.save_dir / f"epoch{trainer.state.epoch}.pt"
     if path.is_file() or not newest.is_file():
@@ -123,7 +137,7 @@ def start_from_shared(trainer: Any, share: PhaseShare) -> SharedStart | None:
     whose key the store holds, short of its last phase and of its budget's caps. None: nothing to share."""
     tc = trainer.cfg.train
     for k in reversed(range(len(trainer.phases) - 1)):
-        key = prefix_key(trainer, share.context, k)
+        key = prefix_key(trainer, share, k)
         path = share.store / f"{key}.pt"
         if not path.is_file():
             continue

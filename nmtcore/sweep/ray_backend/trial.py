@@ -196,7 +196,8 @@ def _phase_share(cfg: Any, ctx: SweepContext, owner: str) -> PhaseShare | None:
     except Exception as e:  # noqa: BLE001 - sharing is an economy: the trial is not at stake
         log.warning("trial %s: shares no phases: %s: %s", cfg.name, type(e).__name__, e)
         return None
-    return PhaseShare(store=Path(ctx.phase_store), context=context, owner=f"{owner} of sweep {ctx.name}")
+    return PhaseShare(store=Path(ctx.phase_store), context=context, owner=f"{owner} of sweep {ctx.name}",
+                      ignore=reuse.NOT_RESULTS)
 
 
 def _trainer(ctx: SweepContext, key: str, memory_bytes: int, loop_config: dict[str, Any]) -> TrialTrainer:
