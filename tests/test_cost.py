@@ -408,3 +408,37 @@ def test_the_platforms_measured_epochs_at_other_settings_are_a_guess(tmp_path):
     # Another of the settings besides: no figure at exactly those, so the guess from the default settings' runs.
     epochs, why = expected_epochs(control.with_overrides({"train.lr": 5e-4}), "trial", uri, warm=False)
     assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0] and "a guess" in why, why
+
+
+def test_a_resumed_phased_trial_is_estimated_by_what_is_left_of_its_phases(tmp_path):
+    """Phases until convergence: a resumed trial has left what converged runs of its kind took in the rest of its
+    current phase (at least one epoch) and in each later phase (at least patience + 1), from their ``phase``
+    metric; the runs' total alone would floor a trial past it at one epoch however many phases it has left."""
+    import nmtcore.sweep.cost as cost
+    from nmtcore.sweep.lifecycle import ROLE_TAG
+    from nmtcore.tracking.callback import STOPPED_BY_TAG
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": "minilm",
+                                       "train.phases_converge": True, "train.patience": 3, "train.max_epochs": 60})
+
+    def record(phases: list[int], finished: bool) -> str:
+        tags = {ROLE_TAG: "trial", **({STOPPED_BY_TAG: "patience"} if finished else {})}
+        with tracking.Tracker(uri, experiment="e", tags=tags) as t:
+            t.log_params(cfg.flat())
+            for e, phase in enumerate(phases, start=1):
+                t.log_metrics({"epoch": e, "phase": phase}, step=e)
+            t.log_metrics({"phase": phases[-1]}, step=len(phases))  # a resume logs an epoch again: counted once
+        return t.run_id
+
+    for lengths in ((23, 5, 11), (25, 7, 9), (21, 5, 13)):
+        record([q + 1 for q, n in enumerate(lengths) for _ in range(n)], finished=True)
+    assert cost.converged_phase_lengths(cfg, "trial", uri) == [(23, 5, 11), (25, 7, 9), (21, 5, 13)]
+    running = record([1] * 29 + [2] * 11, finished=False)  # in phase 2, already past its median length
+    assert cost.phase_epochs(running, uri) == (29, 11)
+    assert cost.phases_left(cost.converged_phase_lengths(cfg, "trial", uri), (29, 11), 3) == 1 + 11
+    assert cost.phases_left([(23, 5, 11)], (10,), 3) == 13 + 5 + 11
+    assert cost.phases_left([(23, 2, 11)], (23, 1), 3) == 1 + 11  # the later phases' medians, each >= patience + 1
+    assert cost.phases_left([(23, 5, 2)], (10,), 3) == 13 + 5 + 4
+    # fixed phase lengths: the total decides, as before
+    assert cost.converged_phase_lengths(cfg.with_overrides({"train.phases_converge": False}), "trial", uri) == []

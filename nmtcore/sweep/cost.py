@@ -33,12 +33,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
 from nmtcore.config import DecodeConfig, ExperimentConfig
 from nmtcore.data import PreparedData
+
+if TYPE_CHECKING:
+    from nmtcore import tracking
 
 PROBE_WARMUP = 1  # updates not timed (first-call allocations)
 PROBE_STEPS = 3  # updates timed
@@ -256,6 +259,12 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     (same model, role, train/valid splits, stopping rule and epoch cap, and with ``settings`` the same
     :data:`TRAINING_SETTINGS`; with ``warm`` given, only the runs that started from other weights
     (``train.init_from``), or only those that did not)."""
+    return [int(r.metrics["epoch"]) for r in converged_runs(cfg, role, tracking_uri, warm, settings)]
+
+
+def converged_runs(cfg: ExperimentConfig, role: str, tracking_uri: str | None, warm: bool | None = None,
+                   settings: bool = True) -> list["tracking.RunRecord"]:
+    """The runs :func:`converged_epochs` counts."""
     from nmtcore import tracking
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
@@ -269,7 +278,7 @@ def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
         runs = tracking.search_runs(query, tracking_uri)
     except tracking.TrackingError:
         return []
-    return [int(r.metrics["epoch"]) for r in runs
+    return [r for r in runs
             # a setting a run did not log did not exist yet: it ran as the setting's default
             if "epoch" in r.metrics and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)
             and (warm is None or bool(r.params.get("train.init_from")) == warm)]
@@ -497,9 +506,18 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
             ready = ensure_bert(cfg)
             progress(f"dry run: probing {label} at {threads} thread(s)")
             speeds[key] = probe(ready, data, threads)
-        epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=warm or bool(cfg.train.init_from))
+        started = warm or bool(cfg.train.init_from)
+        epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=started)
         trained = done[ckey].epochs if ckey in done else 0
-        if trained:
+        lengths = (converged_phase_lengths(cfg, "trial", settings.tracking_uri, started)
+                   if trained and done[ckey].phase_epochs else [])
+        if lengths:
+            # phases until convergence: what is left of its phase and every later one, as converged runs had them
+            epochs = phases_left(lengths, done[ckey].phase_epochs, cfg.train.patience)
+            why = (f"the median phase lengths of {len(lengths)} converged run{'s' * (len(lengths) > 1)} of this kind "
+                   f"in the store ({'/'.join(f'{statistics.median(p):g}' for p in zip(*lengths))}), less the "
+                   f"{done[ckey].phase_epochs[-1]} it has trained in phase {len(done[ckey].phase_epochs)}")
+        elif trained:
             # at least one more epoch: a run the patience rule has not stopped yet trains another to find out
             epochs, why = max(epochs - trained, 1.0), f"{why}; less the {trained} it has trained"
         costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
@@ -524,10 +542,50 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
 @dataclass(frozen=True)
 class TrialProgress:
     """How far a trial of a stopped sweep got: epochs trained (its last reported epoch, each one checkpointed)
-    and whether it finished."""
+    and whether it finished; with a phase schedule, the epochs of each phase it has reached."""
 
     epochs: int
     finished: bool
+    phase_epochs: tuple[int, ...] = ()
+
+
+def phase_epochs(run_id: str, tracking_uri: str | None) -> tuple[int, ...]:
+    """Epochs a run trained in each phase it reached (its ``phase`` metric per epoch); () without phases."""
+    from nmtcore import tracking
+
+    phases = {step: int(v) for step, v in tracking.get_run_metrics(run_id, tracking_uri, keys=("phase",))
+              .get("phase", [])}  # a step logged twice (a resume) counts once
+    if not phases:
+        return ()
+    return tuple(sum(1 for p in phases.values() if p == q) for q in range(1, max(phases.values()) + 1))
+
+
+def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
+                            warm: bool | None = None) -> list[tuple[int, ...]]:
+    """The phase lengths of the runs :func:`converged_epochs` counts (the same model and settings, else the same
+    model), for a schedule whose phases run until convergence (``train.phases_converge``); [] otherwise."""
+    if not cfg.train.phases_converge:
+        return []
+    for settings in (True, False):
+        runs = converged_runs(cfg, role, tracking_uri, warm, settings)
+        lengths = [p for p in (phase_epochs(r.run_id, tracking_uri) for r in runs) if p]
+        if lengths:
+            n = max(len(p) for p in lengths)
+            return [p for p in lengths if len(p) == n]  # whole schedules of one length (a variant's may be shorter)
+    return []
+
+
+def phases_left(lengths: list[tuple[int, ...]], done: tuple[int, ...], patience: int) -> float:
+    """Epochs a phased run has left: in its current phase (the last of ``done``, the epochs it trained in each
+    phase it reached) the median length of that phase in ``lengths`` less what it has trained there, at least one
+    (a phase the rule has not ended trains another epoch to find out), then the median of every later phase, each
+    at least ``patience`` + 1 (the fewest a phase the rule ends can take)."""
+    current = len(done) - 1
+    medians = [statistics.median(p) for p in zip(*lengths)]
+    if current >= len(medians):
+        return 1.0
+    left = max(medians[current] - done[current], 1.0)
+    return float(left + sum(max(m, patience + 1) for m in medians[current + 1:]))
 
 
 def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, TrialProgress]:
@@ -544,10 +602,13 @@ def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, Tr
             continue
         # by its trial state, not its MLflow status alone: a run ended FINISHED while its state still says
         # "running" (a trial Tune stopped, before it tagged such runs KILLED) has more to train
-        mine = TrialProgress(int(r.metrics.get("epoch", 0)), trial_state(r) in ended)
+        finished = trial_state(r) in ended
+        mine = TrialProgress(int(r.metrics.get("epoch", 0)), finished,
+                             phase_epochs(r.run_id, tracking_uri) if "phase" in r.metrics and not finished else ())
         seen = out.get(key)
-        out[key] = mine if seen is None else TrialProgress(max(seen.epochs, mine.epochs),
-                                                           seen.finished or mine.finished)
+        out[key] = mine if seen is None else TrialProgress(
+            max(seen.epochs, mine.epochs), seen.finished or mine.finished,
+            max(seen.phase_epochs, mine.phase_epochs, key=sum))
     return out
 
 
