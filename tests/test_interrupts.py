@@ -105,3 +105,32 @@ def test_a_signal_while_a_run_starts_ends_that_run_killed(cli_handler, tmp_path,
     monkeypatch.undo()
     assert [r.status for r in tracking.load_runs(experiment="stop", tracking_uri=uri) if r.run_name == "cut"] == [
         "KILLED"]
+
+
+def test_a_ray_worker_s_own_handler_waits_for_the_write_too():
+    """A Ray worker's SIGTERM handler raises SystemExit where the main thread is; wrapped as trials wrap it
+    (``exit_quietly_on_sigterm``), a signal in a store write runs it after the write."""
+    from nmtcore.sweep.ray_backend.cluster import exit_quietly_on_sigterm
+
+    def ray_handler(signum, frame):
+        raise SystemExit(f"signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, ray_handler)
+    try:
+        exit_quietly_on_sigterm()
+        wrapped = signal.getsignal(signal.SIGTERM)
+        assert wrapped is not ray_handler and wrapped.nmtcore_deferring
+        exit_quietly_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is wrapped  # not wrapped twice
+        done = []
+        with pytest.raises(SystemExit, match=f"signal {int(signal.SIGTERM)}"):
+            with uninterrupted():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("the write went on")
+        assert done == ["the write went on"]
+        with pytest.raises(SystemExit):  # outside a write: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("never")
+        assert done == ["the write went on"]
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 import _thread
+import contextlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ import ray.train
 
 from nmtcore import tracking
 from nmtcore.config import ExperimentConfig
+from nmtcore.interrupts import defer_while_writing
 from nmtcore.sweep.memory import GIB
 from nmtcore.sweep.dashboard import private_token_file
 from nmtcore.sweep.settings import SweepError, SweepSettings, is_uri
@@ -117,7 +119,15 @@ def exit_quietly_on_sigterm() -> None:
     wherever the main thread is. Inside such a callback Python cannot raise it: it prints "Exception ignored
     in ..." with the traceback and the worker goes on. Here that ``SystemExit`` is not printed and the signal is
     sent again, so the handler raises it once the callback has returned. Other unraisable errors (a
-    ``SystemExit`` the SIGTERM handler did not raise included) are printed as before. Idempotent."""
+    ``SystemExit`` the SIGTERM handler did not raise included) are printed as before.
+
+    Ray's handler is also wrapped (:func:`nmtcore.interrupts.defer_while_writing`): a SIGTERM that lands in an MLflow
+    store write waits for it, as the CLI's does, instead of cutting the write's sqlite transaction and leaving the
+    store locked while the trial ends its run. Idempotent."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler) and not getattr(handler, "nmtcore_deferring", False):
+        with contextlib.suppress(ValueError):  # not the main thread: the handler stays as it is
+            signal.signal(signal.SIGTERM, defer_while_writing(handler))
     if getattr(sys.unraisablehook, "nmtcore_quiet_sigterm", False):
         return
     before = sys.unraisablehook
