@@ -14,6 +14,7 @@ from nmtcore.engine.shared_phases import context_config
 from nmtcore.models import build_model
 from nmtcore.testing.synthetic import tiny_experiment
 from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB
+from tests.test_phases import InterruptAfter
 
 
 def jam(name: str, **fields):
@@ -55,15 +56,6 @@ def test_the_context_leaves_the_model_and_the_schedule_to_the_signature():
     flat = {"model.name": "bert_jam", "model.dropout": 0.3, "train.phases": (), "train.max_epochs": 60,
             "train.average_last": 6, "train.seed": 1, "train.lr": 1e-3, "data.max_tokens": 4096}
     assert context_config(flat) == {"train.seed": 1, "train.lr": 1e-3, "data.max_tokens": 4096}
-
-
-class InterruptAfter(Callback):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def on_epoch_end(self, trainer, epoch, metrics, checkpoint):
-        if epoch == self.n:
-            raise KeyboardInterrupt
 
 
 class Trained(Callback):
