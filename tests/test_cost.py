@@ -442,3 +442,29 @@ def test_a_resumed_phased_trial_is_estimated_by_what_is_left_of_its_phases(tmp_p
     assert cost.phases_left([(23, 5, 2)], (10,), 3) == 13 + 5 + 4
     # fixed phase lengths: the total decides, as before
     assert cost.converged_phase_lengths(cfg.with_overrides({"train.phases_converge": False}), "trial", uri) == []
+
+
+def test_each_phase_is_probed_at_its_own_speed_and_a_run_s_epochs_weigh_them(tmp_path):
+    """A phased model's probe times every phase that trains other parameter groups (BERT-JAM: the warm-up, the GLU
+    phase, the fine-tuning that runs BERT's backward pass); a run's epoch is then the mean over its phases, each
+    weighted by the epochs it takes."""
+    import nmtcore.sweep.cost as cost
+    from nmtcore.data import prepare_data
+    from nmtcore.sweep.cost import probe
+    from nmtcore.testing.zoo import TINY_BERT
+
+    cfg = tiny_experiment(tmp_path, **{"model.name": "bert_jam", "model.bert.name": TINY_BERT["name"],
+                                       "model.d_model": 32, "model.ffn_dim": 64, "model.phase_epochs": [2, 1, 3],
+                                       "train.max_epochs": 6})
+    speed = probe(cfg, prepare_data(cfg.data), threads=1)
+    assert len(speed.phase_tokens_per_s) == 3 and all(t > 0 for t in speed.phase_tokens_per_s)
+    assert speed.phase_tokens_per_s[0] == speed.train_tokens_per_s and speed.phase_epochs == (2, 1, 3)
+    # the arithmetic on constructed speeds: 1 epoch at 100 tokens/s and 3 at 25, 1000 tokens an epoch
+    two = Speed(100.0, 10.0, 1, phase_tokens_per_s=(100.0, 25.0), phase_epochs=(1, 3))
+    weighted = run_cost("arm", 4, "x", two, 1000, 50, 20, phase_weights=(1, 3))
+    assert weighted.epoch_s == pytest.approx((1 * 10 + 3 * 40) / 4 + 5)
+    assert run_cost("arm", 4, "x", two, 1000, 50, 20).epoch_s == pytest.approx(10 + 5)  # no weights: the first's
+    # a resumed run in phase 2: the rest of it, then phase 3 (each later phase at least patience + 1)
+    assert cost.phase_weights_left([(23, 5, 11)], (29, 11), 3) == [0.0, 1.0, 11.0]
+    assert cost.phase_weights_left([(23, 5, 11)], (29, 11, 12), 3) == [0.0, 0.0, 1.0]
+    assert cost.phase_weights_left([(23, 5, 11)], (29, 11, 12, 1), 3) == []

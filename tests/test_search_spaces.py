@@ -406,6 +406,12 @@ def test_arms_selects_some_of_a_studys_arms_under_a_name_of_their_own():
     assert {c.label for c in some.cells() if not c.control} == {"full", "no_kd"}
     assert any(c.control for c in some.cells())
     assert space.with_arms([]) is space
+    # BERT-JAM's M1 and M2 without M0, its reference arm: they compare with the control, and the space is valid
+    jam = search_spaces.get_space("ablations:bert_jam")
+    assert jam.reference == "M0_full" and jam.protocol.control
+    m12 = jam.with_arms(["M2_last_layer", "M1_weighted_sum"])
+    assert list(m12.arms) == ["M1_weighted_sum", "M2_last_layer"] and m12.reference is None
+    assert jam.with_arms(["M0_full", "M1_weighted_sum"]).reference == "M0_full"
     with pytest.raises(SpaceError, match="no arm 'nope' \\(arms: full, no_mlm, "):
         space.with_arms(["nope"])
     with pytest.raises(SpaceError, match="--arms selects arms, and this study varies model.bert.layers"):

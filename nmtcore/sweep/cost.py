@@ -88,6 +88,11 @@ class Speed:
     train_tokens_per_s: float  # target tokens (with EOS) through forward, backward and the optimizer step
     decode_sentences_per_s: float  # greedy decoding, as every epoch's validation BLEU
     threads: int
+    # With a phase schedule: each phase's training speed (a phase that trains what an earlier one trains has that
+    # one's figure; the first's is train_tokens_per_s) and each phase's epochs as the schedule fixes them (0: until
+    # convergence or open-ended). Empty without one.
+    phase_tokens_per_s: tuple[float, ...] = ()
+    phase_epochs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,16 @@ def epoch_tokens(data: PreparedData) -> int:
 
 
 def run_cost(label: str, epochs: float, epochs_from: str, speed: Speed, tokens: int, valid_sentences: int,
-             test_sentences: int, valid_bleu: bool = True) -> RunCost:
+             test_sentences: int, valid_bleu: bool = True, phase_weights: Sequence[float] = ()) -> RunCost:
     """A run's cost at ``speed``: per epoch ``tokens`` trained and (with validation BLEU) ``valid_sentences``
     decoded; at the end ``test_sentences`` decoded. (The teacher-forced validation loss is a few percent of an
-    epoch and is not counted.)"""
-    epoch_s = tokens / speed.train_tokens_per_s + (valid_sentences / speed.decode_sentences_per_s
-                                                   if valid_bleu else 0.0)
+    epoch and is not counted.) ``phase_weights``: the share of the epochs each phase of the schedule takes, whose
+    epochs train at that phase's speed (``speed.phase_tokens_per_s``); without them every epoch is the first
+    phase's."""
+    train_s = tokens / speed.train_tokens_per_s
+    if phase_weights and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0:
+        train_s = sum(w * tokens / tps for w, tps in zip(phase_weights, speed.phase_tokens_per_s)) / sum(phase_weights)
+    epoch_s = train_s + (valid_sentences / speed.decode_sentences_per_s if valid_bleu else 0.0)
     return RunCost(label, epochs, epoch_s, test_sentences / speed.decode_sentences_per_s, epochs_from)
 
 
@@ -333,9 +342,35 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
             t0 = time.perf_counter()
             n = len(trainer.translate(valid.select(range(min(len(valid), PROBE_DECODE))), greedy))
             decode_s = time.perf_counter() - t0
+            phases = _phase_speeds(trainer, groups, tokens / train_s)
     finally:
         torch.set_num_threads(before)
-    return Speed(tokens / train_s, n / decode_s, threads)
+    return Speed(tokens / train_s, n / decode_s, threads, phase_tokens_per_s=phases,
+                 phase_epochs=tuple(p.epochs for p in trainer.phases))
+
+
+def _phase_speeds(trainer: Any, groups: list[list[Any]], first: float) -> tuple[float, ...]:
+    """Each phase's training speed on the probe's batches: the first phase's is ``first``; a phase that trains
+    the parameter groups an earlier one trains has that one's; any other is timed as the first was (entered,
+    ``PROBE_WARMUP`` updates, then ``PROBE_STEPS`` timed). BERT-JAM's fine-tuning phase runs BERT's backward pass
+    and reads no cached features: its epochs take twice as long or more as the first phase's."""
+    speeds: dict[frozenset[str], float] = {}
+    out: list[float] = []
+    for i, phase in enumerate(trainer.phases):
+        groups_trained = frozenset(phase.trainable)
+        if i == 0:
+            speeds[groups_trained] = first
+        elif groups_trained not in speeds:
+            trainer.enter_phase(i)
+            for g in groups[:PROBE_WARMUP]:
+                trainer.train_step(g)
+            tokens, t0 = 0, time.perf_counter()
+            for g in groups[PROBE_WARMUP:]:
+                trainer.train_step(g)
+                tokens += sum(b.n_tgt_tokens for b in g)
+            speeds[groups_trained] = tokens / (time.perf_counter() - t0)
+        out.append(speeds[groups_trained])
+    return tuple(out)
 
 
 def machine_line() -> str:
@@ -509,18 +544,24 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         started = warm or bool(cfg.train.init_from)
         epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=started)
         trained = done[ckey].epochs if ckey in done else 0
-        lengths = (converged_phase_lengths(cfg, "trial", settings.tracking_uri, started)
-                   if trained and done[ckey].phase_epochs else [])
+        lengths = converged_phase_lengths(cfg, "trial", settings.tracking_uri, started)
+        # how its epochs split over the phases (each phase at its own speed): as converged runs split theirs, else
+        # as the schedule fixes them
+        weights = ([statistics.median(p) for p in zip(*lengths)] if lengths
+                   else [float(e) for e in speeds[key].phase_epochs] if all(speeds[key].phase_epochs) else [])
+        lengths = lengths if trained and done[ckey].phase_epochs else []
         if lengths:
             # phases until convergence: what is left of its phase and every later one, as converged runs had them
             epochs = phases_left(lengths, done[ckey].phase_epochs, cfg.train.patience)
+            weights = phase_weights_left(lengths, done[ckey].phase_epochs, cfg.train.patience)
             why = (f"the median phase lengths of {len(lengths)} converged run{'s' * (len(lengths) > 1)} of this kind "
                    f"in the store ({'/'.join(f'{statistics.median(p):g}' for p in zip(*lengths))}), less the "
                    f"{done[ckey].phase_epochs[-1]} it has trained in phase {len(done[ckey].phase_epochs)}")
         elif trained:
             # at least one more epoch: a run the patience rule has not stopped yet trains another to find out
             epochs, why = max(epochs - trained, 1.0), f"{why}; less the {trained} it has trained"
-        costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu))
+        costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu,
+                              weights))
 
     base_cost, base_done, done_epochs = None, False, 0
     if bcfg is not None:
@@ -575,17 +616,23 @@ def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str 
     return []
 
 
+def phase_weights_left(lengths: list[tuple[int, ...]], done: tuple[int, ...], patience: int) -> list[float]:
+    """The epochs :func:`phases_left` counts, per phase of the schedule (0 for the phases already done; [] past
+    the schedule)."""
+    current = len(done) - 1
+    medians = [statistics.median(p) for p in zip(*lengths)]
+    if current >= len(medians):
+        return []
+    return ([0.0] * current + [max(medians[current] - done[current], 1.0)]
+            + [float(max(m, patience + 1)) for m in medians[current + 1:]])
+
+
 def phases_left(lengths: list[tuple[int, ...]], done: tuple[int, ...], patience: int) -> float:
     """Epochs a phased run has left: in its current phase (the last of ``done``, the epochs it trained in each
     phase it reached) the median length of that phase in ``lengths`` less what it has trained there, at least one
     (a phase the rule has not ended trains another epoch to find out), then the median of every later phase, each
     at least ``patience`` + 1 (the fewest a phase the rule ends can take)."""
-    current = len(done) - 1
-    medians = [statistics.median(p) for p in zip(*lengths)]
-    if current >= len(medians):
-        return 1.0
-    left = max(medians[current] - done[current], 1.0)
-    return float(left + sum(max(m, patience + 1) for m in medians[current + 1:]))
+    return float(sum(phase_weights_left(lengths, done, patience))) or 1.0
 
 
 def sweep_progress(parent_run_id: str, tracking_uri: str | None) -> dict[str, TrialProgress]:

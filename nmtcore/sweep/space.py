@@ -489,7 +489,8 @@ class SearchSpace:
     def with_arms(self, names: Sequence[str]) -> "SearchSpace":
         """The same study with only the arms ``names`` (``--arms``), in the study's order, under the variant
         ``<variant>-<arm>+<arm>...`` so its sweep stays apart from the whole study's. The control stays (a study
-        whose protocol has one); a study without one keeps its reference arm. Runs of the two sweeps report
+        whose protocol has one, and is the reference if the reference arm is left out); a study without one keeps
+        its reference arm. Runs of the two sweeps report
         together: ``nmtcore report --sweep <whole> --sweep <subset>`` (a run in both counts once)."""
         if not names:
             return self
@@ -503,8 +504,11 @@ class SearchSpace:
         if not has_control and isinstance(self.reference, str) and self.reference not in kept:
             raise SpaceError(f"{self.name}: the study has no control and compares with its arm {self.reference!r}: "
                              f"add it to --arms")
+        # A study with a control whose reference arm is left out compares with the control (BERT-JAM's M1 and M2
+        # without M0: the whole study's reference row comes back in a report pooled with M0's sweep).
+        reference = self.reference if not isinstance(self.reference, str) or self.reference in kept else None
         return replace(self, variant=f"{self.variant}-{'+'.join(kept)}", arms={n: self.arms[n] for n in kept},
-                       predictions=tuple(p for p in self.predictions if p.arm in kept))
+                       reference=reference, predictions=tuple(p for p in self.predictions if p.arm in kept))
 
     def with_arm_overrides(self, overrides: Mapping[str, Any]) -> "SearchSpace":
         """The same study with ``overrides`` set on every trial but the control (:attr:`arm_overrides`): keys
