@@ -19,4 +19,5 @@ from nmtcore.engine.trainer import (
 from nmtcore.engine.warm_start import WarmStart, warm_start
 
 __all__ = ["Callback", "FitResult", "NonFiniteLossError", "PhaseShare", "RunSummary", "SharedStart", "TestScore",
-           "TrainState", "Trainer", "WarmStart", "WarmStartSummary", "build_trainer", "run_experiment", "setup_torch", "warm_start"]
+           "TrainState", "Trainer", "WarmStart", "WarmStartSummary", "build_trainer", "run_experiment", "setup_torch",
+           "warm_start"]

@@ -9,8 +9,9 @@ So a run given a :class:`PhaseShare` keeps the end of each of its phases but the
 a *prefix key* (:func:`prefix_key`), and a run that starts from scratch first looks there for the longest prefix of
 its own schedule with its key (:func:`start_from_shared`). Found, it starts where that run's phases ended: the
 weights of the parameter groups those phases trained (every other group is still at its initialisation in both runs,
-frozen) and the buffers both models have (a drop-net's generator state), the update counter, the epoch history and the RNG state; its next phase then begins as it would have, with
-a new optimizer (the trainer resets it at every phase change). The key is the share's ``context`` (a digest of
+frozen) and the buffers both models have (a drop-net's generator state), the update counter, the epoch history and
+the RNG state; its next phase then begins as it would have, with a new optimizer (the trainer resets it at every
+phase change). The key is the share's ``context`` (a digest of
 everything outside the model's config and the schedule that decides results: data, code, libraries, precision and
 the rest of the config, made by the caller) and the model's
 :meth:`~nmtcore.models.NMTModel.prefix_signature` of those phases, whose lengths count unless the phases run until
@@ -26,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +70,6 @@ class SharedStart:
     phases: tuple[str, ...]
     epoch: int
     owner: str
-    wall_s: float  # the epochs' training and validation time, as the owner measured it
 
     def describe(self) -> str:
         """``phase 'warmup' (epochs 1-23) from <owner>``"""
@@ -123,10 +122,9 @@ def keep_phase_end(trainer: Any, share: PhaseShare, k: int) -> Path | None:
     share.store.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, payload)
     names = [p.name for p in trainer.phases[:k + 1]]
-    wall = sum(float(h.get("train_wall_s", 0.0)) + float(h.get("valid_wall_s", 0.0)) for h in trainer.state.history)
     atomic_write_text(path.with_suffix(".json"), json.dumps(
         {"key": key, "phases": names, "epoch": trainer.state.epoch, "num_updates": trainer.state.num_updates,
-         "owner": share.owner, "model": trainer.cfg.model.name, "wall_s": wall,
+         "owner": share.owner, "model": trainer.cfg.model.name,
          "kept": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
     log.info("kept the end of phase(s) %s (epoch %d) for runs that share them: %s", names, trainer.state.epoch, path)
     return path
@@ -169,8 +167,7 @@ def start_from_shared(trainer: Any, share: PhaseShare) -> SharedStart | None:
                                   "not ended by this run's rule")
         meta = _sidecar(path)
         start = SharedStart(path=path, key=key, phases=tuple(p.name for p in trainer.phases[:k + 1]),
-                            epoch=int(ts["epoch"]), owner=str(meta.get("owner", "")),
-                            wall_s=float(meta.get("wall_s", math.nan)))
+                            epoch=int(ts["epoch"]), owner=str(meta.get("owner", "")))
         log.info("starting from %s: %s", start.describe(), path)
         return start
     return None

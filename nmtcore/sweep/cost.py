@@ -330,22 +330,16 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
                     break
             step = max(1, pc.train.update_freq)
             groups = [batches[i:i + step] for i in range(0, len(batches), step)][:PROBE_WARMUP + PROBE_STEPS]
-            for g in groups[:PROBE_WARMUP]:
-                trainer.train_step(g)
-            tokens, t0 = 0, time.perf_counter()
-            for g in groups[PROBE_WARMUP:]:
-                trainer.train_step(g)
-                tokens += sum(b.n_tgt_tokens for b in g)
-            train_s = time.perf_counter() - t0
+            first = _train_speed(trainer, groups)
             valid = small.splits[pc.data.valid_split]
             greedy = DecodeConfig(**{**pc.decode.__dict__, "beam": 1, "nbest": 1})
             t0 = time.perf_counter()
             n = len(trainer.translate(valid.select(range(min(len(valid), PROBE_DECODE))), greedy))
             decode_s = time.perf_counter() - t0
-            phases = _phase_speeds(trainer, groups, tokens / train_s)
+            phases = _phase_speeds(trainer, groups, first)
     finally:
         torch.set_num_threads(before)
-    return Speed(tokens / train_s, n / decode_s, threads, phase_tokens_per_s=phases,
+    return Speed(first, n / decode_s, threads, phase_tokens_per_s=phases,
                  phase_epochs=tuple(p.epochs for p in trainer.phases))
 
 
@@ -362,15 +356,21 @@ def _phase_speeds(trainer: Any, groups: list[list[Any]], first: float) -> tuple[
             speeds[groups_trained] = first
         elif groups_trained not in speeds:
             trainer.enter_phase(i)
-            for g in groups[:PROBE_WARMUP]:
-                trainer.train_step(g)
-            tokens, t0 = 0, time.perf_counter()
-            for g in groups[PROBE_WARMUP:]:
-                trainer.train_step(g)
-                tokens += sum(b.n_tgt_tokens for b in g)
-            speeds[groups_trained] = tokens / (time.perf_counter() - t0)
+            speeds[groups_trained] = _train_speed(trainer, groups)
         out.append(speeds[groups_trained])
     return tuple(out)
+
+
+def _train_speed(trainer: Any, groups: list[list[Any]]) -> float:
+    """Target tokens per second of ``trainer``'s updates over ``groups`` (one update each): the first
+    ``PROBE_WARMUP`` untimed, the rest timed."""
+    for g in groups[:PROBE_WARMUP]:
+        trainer.train_step(g)
+    tokens, t0 = 0, time.perf_counter()
+    for g in groups[PROBE_WARMUP:]:
+        trainer.train_step(g)
+        tokens += sum(b.n_tgt_tokens for b in g)
+    return tokens / (time.perf_counter() - t0)
 
 
 def machine_line() -> str:
