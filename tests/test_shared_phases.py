@@ -13,7 +13,7 @@ from nmtcore.engine import Callback, PhaseShare, build_trainer
 from nmtcore.engine.shared_phases import context_config
 from nmtcore.models import build_model
 from nmtcore.testing.synthetic import tiny_experiment
-from nmtcore.testing.zoo import BOS, EOS, PAD, TINY, TINY_BERT, VOCAB
+from nmtcore.testing.zoo import BOS, CASES, EOS, PAD, TINY, TINY_BERT, VOCAB, tiny_model
 from tests.test_phases import InterruptAfter
 
 
@@ -48,8 +48,19 @@ def test_m0_m1_m2_warm_ups_sign_alike_and_nothing_else_does():
     halved = m0.prefix_signature((m0.default_phases()[0].__class__("warmup", 40, ("nmt",), glu_scale=1.0),))
     assert halved != first(m1)
     # another family keeps the default: its whole config, name included
-    from nmtcore.testing.zoo import tiny_model
     assert tiny_model("transformer").prefix_signature(())["model"]["name"] == "transformer"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_registered_model_signs_its_first_phase_as_plain_data(case):
+    """The shared contract: every model of the zoo gives a signature of its first phase (none: the empty prefix)
+    that the key can hash, the same twice."""
+    model = tiny_model(case)
+    prefix = tuple(model.default_phases())[:1]
+    sig = model.prefix_signature(prefix)
+    assert set(sig) == {"model", "phases"} and len(sig["phases"]) == len(prefix)
+    assert json.dumps(sig, sort_keys=True, default=repr) == json.dumps(model.prefix_signature(prefix), sort_keys=True,
+                                                                       default=repr)
 
 
 def test_the_context_leaves_the_model_and_the_schedule_to_the_signature():

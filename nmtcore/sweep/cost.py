@@ -346,8 +346,8 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
 def _phase_speeds(trainer: Any, groups: list[list[Any]], first: float) -> tuple[float, ...]:
     """Each phase's training speed on the probe's batches: the first phase's is ``first``; a phase that trains
     the parameter groups an earlier one trains has that one's; any other is timed as the first was (entered,
-    ``PROBE_WARMUP`` updates, then ``PROBE_STEPS`` timed). BERT-JAM's fine-tuning phase runs BERT's backward pass
-    and reads no cached features: its epochs take twice as long or more as the first phase's."""
+    ``PROBE_WARMUP`` updates, then ``PROBE_STEPS`` timed): BERT-JAM's fine-tuning phase runs BERT's backward pass
+    and reads no cached features, so the first phase's speed does not stand for it."""
     speeds: dict[frozenset[str], float] = {}
     out: list[float] = []
     for i, phase in enumerate(trainer.phases):
