@@ -3,6 +3,7 @@ come from, and the probe and dry run on a tiny task."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import torch
 from nmtcore import tracking
 from nmtcore.engine import build_trainer
 from nmtcore.sweep.baseline import checkpointed_epochs
-from nmtcore.sweep.cost import (RunCost, Speed, duration, epoch_tokens, estimate,
-                                expected_epochs, makespan, probe, run_cost, shape_key)
+from nmtcore.sweep.cost import (PrefixCost, RunCost, Speed, duration, epoch_tokens, estimate,
+                                expected_epochs, makespan, prefix_cost, probe, run_cost, schedule, shape_key)
 from nmtcore.sweep.lifecycle import ROLE_TAG
 from nmtcore.testing.synthetic import tiny_experiment
 from nmtcore.testing.tiny_bert import tiny_bert_dir
@@ -62,6 +63,44 @@ def test_the_estimate_adds_shared_work_the_baseline_left_and_the_trials_waves():
     reused = estimate([], RunCost("baseline", 0, 0.0, 0.0, "in the store"), True, [arm], 2, "m")
     assert [p.seconds for p in reused.phases] == [0.0, 0.0, 130.0]
     assert reused.phases[0].detail == "all cached" and "reused" in reused.phases[1].detail
+
+
+def test_a_trial_starts_from_the_phases_an_earlier_trial_has_kept_by_then():
+    """BERT-JAM's M1 and M2 warm up alike (key "w"): run one after the other, M2 starts from M1's warm-up and trains
+    only the rest; run side by side, neither has the other's warm-up when it starts; a warm-up the store already
+    holds is taken at once, by its own epochs."""
+    speed = Speed(100.0, 10.0, 1, phase_tokens_per_s=(100.0, 50.0, 25.0))
+    # an epoch: 1000 tokens + 50 sentences decoded: 15 s in the warm-up, 25 s in the GLU phase, 45 s fine-tuning
+    m1 = run_cost("M1", 20, "x", speed, 1000, 50, 0, phase_weights=(10, 5, 5))
+    m1 = dataclasses.replace(m1, prefixes=prefix_cost(("w", "w+glu-M1"), (0, 0), 20, speed, 1000, 50,
+                                                      phase_weights=(10, 5, 5)))
+    assert m1.prefixes.epochs == (10, 15) and m1.prefixes.seconds == pytest.approx((150, 275))
+    assert m1.seconds == pytest.approx(150 + 125 + 225)
+    m2 = run_cost("M2", 16, "y", Speed(100.0, 10.0, 1, phase_tokens_per_s=(100.0, 25.0)), 1000, 50, 0,
+                  phase_weights=(10, 6))
+    m2 = dataclasses.replace(m2, prefixes=prefix_cost(("w",), (0,), 16, Speed(100.0, 10.0, 1, phase_tokens_per_s=(
+        100.0, 25.0)), 1000, 50, phase_weights=(10, 6)))
+    assert m2.seconds == pytest.approx(150 + 6 * 45)
+
+    after, total, waves = schedule([m1, m2], 1)
+    assert after[0].saved_s == 0 and after[1].saved_epochs == 10 and after[1].saved_s == pytest.approx(150)
+    assert after[1].trained_epochs == 6 and "trained by M1" in after[1].epochs_from
+    assert (total, waves) == (pytest.approx(500 + 270), 2)
+    side, total, _ = schedule([m1, m2], 2)
+    assert [t.saved_s for t in side] == [0, 0] and total == pytest.approx(500)
+    # M2 first on a single slot: M1 starts from M2's warm-up; M1's GLU phase is its own
+    first, total, _ = schedule([m2, m1], 1)
+    assert first[1].saved_epochs == 10 and total == pytest.approx(420 + 350)
+    # the store holds the warm-up (12 epochs there): both take it, charged by their own epoch's cost
+    held = dataclasses.replace(m2, prefixes=dataclasses.replace(m2.prefixes, stored=(12,)))
+    (one,), total, _ = schedule([held], 1)
+    assert one.saved_epochs == 12 and one.saved_s == pytest.approx(12 * 15) and "kept in the store" in one.epochs_from
+    # phase lengths unknown to the sharer: it is charged as the run that trains them has them
+    blind = RunCost("M2", 16, 20.0, 0.0, "z", prefixes=PrefixCost(("w",), (0.0,), (0.0,), (0,)))
+    (_, shared), _, _ = schedule([m1, blind], 1)
+    assert shared.saved_epochs == 10 and shared.saved_s == pytest.approx(150)
+    est = estimate([], None, False, [m1, m2], 1, "m", keys=("a", "b"))
+    assert est.runs[1][1] == pytest.approx(270) and "6 epochs" in est.phases[-1].detail
 
 
 def test_durations_read_in_the_unit_that_fits():
@@ -380,6 +419,40 @@ def test_runs_trained_with_another_dropout_are_a_guess_not_a_run_of_this_kind(tm
     assert "upper bound" in expected_epochs(at_01.with_overrides({"train.patience": 5}), "trial", uri, warm=False)[1]
 
 
+def test_a_variant_with_no_runs_of_its_own_takes_its_family_s_as_a_guess(tmp_path):
+    """BERT-JAM's M1 and M2 were estimated at the 60-epoch cap beside a converged M0 in the store: a variant with no
+    converged run of its own takes its family's (the runs of the other variants), saying so; only phase lengths of
+    its own number of phases stand for its phases (M2 has no GLU phase)."""
+    import nmtcore.sweep.cost as cost
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rule = {"train.stop_metric": "valid_bleu", "train.patience": 3, "train.min_delta": 0.1, "train.loss_guard": True,
+            "train.valid_bleu": True, "data.corpus": "iwslt14", "train.max_epochs": 60, "model.dropout": 0.3,
+            "model.name": "bert_jam", "model.bert.name": "minilm", "train.phases_converge": True}
+    m0 = tiny_experiment(tmp_path, **rule)
+    assert cost.family("bert_jam_m1") == ("bert_jam", "bert_jam_m1", "bert_jam_m2", "bert_jam_m3")
+    assert cost.family("transformer") == ("transformer",)
+    m1, m2 = m0.with_overrides({"model.name": "bert_jam_m1"}), m0.with_overrides({"model.name": "bert_jam_m2"})
+    assert "upper bound" in expected_epochs(m1, "trial", uri, warm=False)[1]  # nothing in the store, nothing measured
+    with tracking.Tracker(uri, experiment="e", tags={ROLE_TAG: "trial", STOPPED_BY_TAG: "patience"}) as t:
+        t.log_config(m0)
+        for e, phase in enumerate([1] * 23 + [2] * 6 + [3] * 10, start=1):
+            t.log_metrics({"epoch": e, "phase": phase}, step=e)
+    assert expected_epochs(m0, "trial", uri, warm=False)[0] == 39.0
+    epochs, why = expected_epochs(m1, "trial", uri, warm=False)
+    assert epochs == 39.0 and "other variants of bert_jam_m1's family" in why and "a guess" in why, why
+    epochs, why = expected_epochs(m1.with_overrides({"model.dropout": 0.1}), "trial", uri, warm=False)
+    assert epochs == 39.0 and "trained with other settings: a guess" in why, why
+    assert cost.converged_phase_lengths(m1, "trial", uri, warm=False, phases=3) == [(23, 6, 10)]
+    assert cost.converged_phase_lengths(m2, "trial", uri, warm=False, phases=2) == []
+    # a fresh store: the platform's measured figure of the family's root, a guess for the variant
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    on = m1.with_overrides({"data.corpus": "multi30k", "model.dropout": 0.1})
+    epochs, why = expected_epochs(on, "trial", fresh, warm=False)
+    assert epochs == cost.MEASURED_EPOCHS[("multi30k", "scratch", "bert_jam")][0]
+    assert "converged from-scratch bert_jam runs" in why and "another variant of bert_jam_m1's family" in why, why
+
+
 def test_the_platforms_measured_epochs_at_other_settings_are_a_guess(tmp_path):
     """The platform's measured epochs come from runs at multi30k_small's dropout, learning rate, warm-up and label
     smoothing: a run set otherwise still takes them on a fresh store, and the estimate says they are a guess."""
@@ -442,6 +515,11 @@ def test_a_resumed_phased_trial_is_estimated_by_what_is_left_of_its_phases(tmp_p
     assert cost.phases_left([(23, 5, 2)], (10,), 3) == 13 + 5 + 4
     # fixed phase lengths: the total decides, as before
     assert cost.converged_phase_lengths(cfg.with_overrides({"train.phases_converge": False}), "trial", uri) == []
+    # a variant that skips a phase (M2: warm-up, fine-tuning) splits its epochs otherwise: three-phase runs are not its
+    assert cost.converged_phase_lengths(cfg, "trial", uri, phases=2) == []
+    record([1] * 30 + [2] * 12, finished=True)
+    assert cost.converged_phase_lengths(cfg, "trial", uri, phases=2) == [(30, 12)]
+    assert cost.converged_phase_lengths(cfg, "trial", uri, phases=3)[0] == (23, 5, 11)
 
 
 def test_each_phase_is_probed_at_its_own_speed_and_a_run_s_epochs_weigh_them(tmp_path):

@@ -170,3 +170,33 @@ def tracking_metrics(run, store):
     from nmtcore import tracking
 
     return tracking.get_run_metrics(run.run_id, store)
+
+
+def test_the_cost_estimate_keys_a_trial_s_phases_as_the_trainer_keeps_them(tmp_path):
+    """The dry run matches trials on the keys their trainers will keep, computed from their configs before any
+    of them trains (a model built, never trained): M0's and M2's warm-ups one key, M3 none of theirs."""
+    from nmtcore.data import prepare_data
+    from nmtcore.sweep import reuse
+    from nmtcore.sweep.cost import phase_keys
+    from nmtcore.sweep.plan import trial_config
+
+    store = tmp_path / "phase-ends"
+    m0 = jam_run(tmp_path, "bert_jam", "m0")
+    data = prepare_data(m0.data)
+    keys = {name: phase_keys(m0.with_overrides({"model.name": name}), data, str(store))
+            for name in ("bert_jam", "bert_jam_m2", "bert_jam_m3")}
+    assert len(keys["bert_jam"][0]) == 2 and keys["bert_jam"][1] == (0, 0)  # warm-up, warm-up + GLU; none stored
+    assert keys["bert_jam_m2"][0] == keys["bert_jam"][0][:1]
+    assert not set(keys["bert_jam_m3"][0]) & set(keys["bert_jam"][0])
+    assert phase_keys(m0.with_overrides({"model.name": "transformer"}), data, str(store)) is None  # one phase
+    # what a trial's trainer keys, with the config the sweep gives it (its own output directory and threads)
+    trial = trial_config(m0, {}, tmp_path / "scratch" / "t", threads=2)
+    share = PhaseShare(store=store, context=reuse.phase_context(trial, data.checksums), ignore=reuse.NOT_RESULTS)
+    trainer = build_trainer(trial, data, device=torch.device("cpu"))
+    from nmtcore.engine.shared_phases import prefix_key
+    assert tuple(prefix_key(trainer, share, k) for k in range(2)) == keys["bert_jam"][0]
+    # a kept phase end is found by its key, with its epochs
+    store.mkdir()
+    (store / f"{keys['bert_jam'][0][0]}.pt").write_bytes(b"")
+    (store / f"{keys['bert_jam'][0][0]}.json").write_text(json.dumps({"epoch": 23}))
+    assert phase_keys(m0, data, str(store))[1] == (23, 0)

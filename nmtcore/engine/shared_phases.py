@@ -80,9 +80,21 @@ class SharedStart:
 
 def prefix_key(trainer: Any, share: PhaseShare, k: int) -> str:
     """The key of ``trainer``'s schedule's first ``k + 1`` phases."""
-    signature = trainer.model.prefix_signature(trainer.phases[:k + 1])
+    return schedule_key(trainer.model, trainer.phases, trainer.cfg.train.phases_converge, share, k)
+
+
+def prefix_keys(model: Any, phases: tuple[Any, ...], converge: bool, share: PhaseShare) -> tuple[str, ...]:
+    """The key of every prefix a run of ``model`` on ``phases`` keeps (all but the whole schedule), shortest first:
+    what a sweep's cost estimate matches trials on before any of them trains."""
+    return tuple(schedule_key(model, phases, converge, share, k) for k in range(len(phases) - 1))
+
+
+def schedule_key(model: Any, phases: tuple[Any, ...], converge: bool, share: PhaseShare, k: int) -> str:
+    """The key of the first ``k + 1`` of ``phases`` trained by ``model`` (``converge``: the phases run until
+    convergence, ``train.phases_converge``)."""
+    signature = model.prefix_signature(phases[:k + 1])
     signature = {**signature, "model": _without(signature["model"], "model.", share.ignore)}
-    if trainer.cfg.train.phases_converge:  # each phase ends where the rule fires: its nominal length decides nothing
+    if converge:  # each phase ends where the rule fires: its nominal length decides nothing
         signature = {**signature, "phases": [{**p, "epochs": "until convergence"} for p in signature["phases"]]}
     blob = json.dumps({"format": FORMAT, "context": share.context, "signature": signature}, sort_keys=True,
                       default=repr)
@@ -188,4 +200,4 @@ def _sidecar(path: Path) -> dict[str, Any]:
 
 
 __all__ = ["NOT_IN_PREFIX", "PhaseShare", "SharedStart", "context_config", "keep_phase_end", "prefix_key",
-           "start_from_shared"]
+           "prefix_keys", "schedule_key", "start_from_shared"]

@@ -18,7 +18,10 @@ scratch, or warm from the shared baseline) and the model, under the studies' def
 figure the cap, saying that it is an upper bound.
 
 Trials run in grid order, each starting as soon as one of the ``slots`` (trials at once) frees, as Tune runs
-them; the trials' phase is that schedule's makespan. Speeds are measured with nothing else running: trials
+them; the trials' phase is that schedule's makespan. A trial from scratch whose first phases another trial of the
+plan has trained by the time it starts, or the sweep's phase store already holds, is charged only for the rest of
+its schedule (:func:`schedule`, :mod:`nmtcore.engine.shared_phases`). A model variant with no converged run of its
+own in the store takes its family's runs (BERT-JAM's M0 for its M1), and says it is a guess. Speeds are measured with nothing else running: trials
 that share a machine's memory bandwidth run somewhat slower, which the estimate does not model.
 """
 
@@ -96,6 +99,19 @@ class Speed:
 
 
 @dataclass(frozen=True)
+class PrefixCost:
+    """The phases a trial can start from instead of training them (:mod:`nmtcore.engine.shared_phases`): per
+    prefix of its schedule (phases 0..k, every k short of the last), its key, its estimated epochs and seconds
+    (0 where the trial's phase lengths are not known here: a trial that shares it is then charged what the run
+    that trains it takes) and the epochs of the phase end the store already holds under that key (0: none)."""
+
+    keys: tuple[str, ...]
+    epochs: tuple[float, ...]
+    seconds: tuple[float, ...]
+    stored: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RunCost:
     """One training run (a trial or the baseline): how many epochs, and what one epoch and the end cost."""
 
@@ -104,10 +120,17 @@ class RunCost:
     epoch_s: float  # one epoch's training plus its validation
     end_s: float  # decoding the test splits
     epochs_from: str  # "the budget" / "the cap (an upper bound: ...)" / "the median of N converged runs ..."
+    prefixes: PrefixCost | None = None  # its phases another run may train for it (None: it shares none)
+    saved_epochs: float = 0.0  # epochs of phases it starts from instead of training (set by the schedule)
+    saved_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.epochs * self.epoch_s + self.end_s
+        return max(self.epochs * self.epoch_s + self.end_s - self.saved_s, self.end_s)
+
+    @property
+    def trained_epochs(self) -> float:
+        return max(self.epochs - self.saved_epochs, 0.0)
 
 
 @dataclass(frozen=True)
@@ -168,8 +191,29 @@ def run_cost(label: str, epochs: float, epochs_from: str, speed: Speed, tokens: 
     train_s = tokens / speed.train_tokens_per_s
     if phase_weights and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0:
         train_s = sum(w * tokens / tps for w, tps in zip(phase_weights, speed.phase_tokens_per_s)) / sum(phase_weights)
-    epoch_s = train_s + (valid_sentences / speed.decode_sentences_per_s if valid_bleu else 0.0)
+    epoch_s = train_s + valid_s(speed, valid_sentences, valid_bleu)
     return RunCost(label, epochs, epoch_s, test_sentences / speed.decode_sentences_per_s, epochs_from)
+
+
+def valid_s(speed: Speed, valid_sentences: int, valid_bleu: bool = True) -> float:
+    """One epoch's validation at ``speed``: its greedy decode (the validation BLEU), none without it."""
+    return valid_sentences / speed.decode_sentences_per_s if valid_bleu else 0.0
+
+
+def prefix_cost(keys: Sequence[str], stored: Sequence[int], epochs: float, speed: Speed, tokens: int,
+                valid_sentences: int, valid_bleu: bool = True, phase_weights: Sequence[float] = ()) -> PrefixCost:
+    """What each prefix of a run's phases costs (:class:`PrefixCost`): the run's ``epochs`` split over its phases
+    as ``phase_weights`` split them, each phase's epochs at that phase's speed; without weights for every phase,
+    the prefixes' costs are not known here (0)."""
+    n = len(keys)
+    if not (phase_weights and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0):
+        return PrefixCost(tuple(keys), (0.0,) * n, (0.0,) * n, tuple(stored))
+    scale = epochs / sum(phase_weights)
+    per = [w * scale for w in phase_weights]
+    per_s = [e * (tokens / tps + valid_s(speed, valid_sentences, valid_bleu))
+             for e, tps in zip(per, speed.phase_tokens_per_s)]
+    return PrefixCost(tuple(keys), tuple(itertools.accumulate(per[:n])), tuple(itertools.accumulate(per_s[:n])),
+                      tuple(stored))
 
 
 def makespan(durations: Sequence[float], slots: int) -> tuple[float, int]:
@@ -184,6 +228,50 @@ def makespan(durations: Sequence[float], slots: int) -> tuple[float, int]:
         end = max(end, start + d)
         heapq.heappush(free, start + d)
     return end, math.ceil(len(durations) / slots) if durations else 0
+
+
+def schedule(trials: Sequence[RunCost], slots: int) -> tuple[list[RunCost], float, int]:
+    """:func:`makespan` of ``trials``, where a trial that starts from scratch starts where another run's phases ended
+    if their end is there when it starts (:mod:`nmtcore.engine.shared_phases`): the longest prefix of its schedule
+    that the store holds or that a trial started before it has kept by then (that trial's start plus its prefix's
+    time). Returns the trials with what each starts from set (``saved_epochs``, ``saved_s``, said in its
+    ``epochs_from``), the makespan and the waves."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    free = [0.0] * min(slots, max(len(trials), 1))
+    kept: dict[str, tuple[float, str, float, float]] = {}  # key -> (ready at, whose, epochs, seconds)
+    out: list[RunCost] = []
+    end = 0.0
+    for t in trials:
+        start = heapq.heappop(free)
+        p = t.prefixes
+        if p is not None:
+            for k in reversed(range(len(p.keys))):
+                own_e, own_s = p.epochs[k], p.seconds[k]
+                if p.stored[k]:
+                    e = float(p.stored[k])
+                    s = own_s * e / own_e if own_e else e * t.epoch_s
+                    t = dataclasses.replace(t, saved_epochs=e, saved_s=s, epochs_from=(
+                        f"{t.epochs_from}; less {_first(k)}, {e:g} epochs, kept in the store by an earlier run"))
+                    break
+                ready = kept.get(p.keys[k])
+                if ready is not None and ready[0] <= start:
+                    e, s = (own_e, own_s) if own_e else ready[2:]
+                    t = dataclasses.replace(t, saved_epochs=e, saved_s=s, epochs_from=(
+                        f"{t.epochs_from}; less {_first(k)}, {e:g} epochs, trained by {ready[1]}"))
+                    break
+            for k in range(len(p.keys)):  # the prefixes it trains itself, kept as they end
+                if p.seconds[k] and p.seconds[k] > t.saved_s:
+                    kept.setdefault(p.keys[k], (start + p.seconds[k] - t.saved_s, t.label, p.epochs[k],
+                                                p.seconds[k]))
+        out.append(t)
+        end = max(end, start + t.seconds)
+        heapq.heappush(free, start + t.seconds)
+    return out, end, math.ceil(len(trials) / slots) if trials else 0
+
+
+def _first(k: int) -> str:
+    return "its first phase" if k == 0 else f"its first {k + 1} phases"
 
 
 def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, baseline_done: bool,
@@ -203,10 +291,10 @@ def estimate(shared: Sequence[tuple[str, float]], baseline: RunCost | None, base
             done = f", {baseline_epochs_done} already trained" if baseline_epochs_done else ""
             phases.append(Phase("baseline", left * baseline.epoch_s + baseline.end_s,
                                 f"{left:g} epochs x {duration(baseline.epoch_s)}{done} (epochs: {baseline.epochs_from})"))
-    total, waves = makespan([t.seconds for t in trials], slots)
+    trials, total, waves = schedule(trials, slots)
     kinds: dict[tuple[float, str], int] = {}
     for t in trials:
-        kinds[(t.epochs, t.epochs_from)] = kinds.get((t.epochs, t.epochs_from), 0) + 1
+        kinds[(t.trained_epochs, t.epochs_from)] = kinds.get((t.trained_epochs, t.epochs_from), 0) + 1
     epochs = "; ".join(f"{n} trial{'s' * (n > 1)} x {e:g} epochs ({why})" for (e, why), n in kinds.items())
     per = [t.epoch_s for t in trials]
     again = "".join(f" (and {n} {what})" for n, what in ((finished, "finished in earlier sessions"),
@@ -242,12 +330,24 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
         return float(statistics.median(epochs)), (
             f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of this model "
             f"in the store trained with other settings ({', '.join(TRAINING_SETTINGS)}): a guess")
+    kin = [n for n in family(cfg.model.name) if n != cfg.model.name]
+    for settings in (True, False):  # another variant of the family (BERT-JAM's M0 for its M1): closer than the cap
+        epochs = converged_epochs(cfg, role, tracking_uri, warm, settings, models=kin)
+        if epochs:
+            return float(statistics.median(epochs)), (
+                f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of other "
+                f"variants of {cfg.model.name}'s family ({', '.join(kin)}) in the store"
+                f"{'' if settings else ' trained with other settings'}: a guess")
     warm = (role == "trial") if warm is None else warm
-    kind = (cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name)
     flat = cfg.flat()
     other = tuple(sorted((k, flat[k]) for k, v in MEASURED_SETTINGS.items() if flat[k] != v))
-    at = MEASURED_EPOCHS_AT.get(other, {}).get(kind) if other else None  # measured at this run's settings
-    measured, guarded = at or MEASURED_EPOCHS.get(kind, (None, False))
+    measured, guarded, at, kind = None, False, None, (cfg.data.corpus, "warm" if warm else "scratch", cfg.model.name)
+    for name in (cfg.model.name, *kin):  # its own figure, else its family's
+        kind = (cfg.data.corpus, "warm" if warm else "scratch", name)
+        at = MEASURED_EPOCHS_AT.get(other, {}).get(kind) if other else None  # measured at this run's settings
+        measured, guarded = at or MEASURED_EPOCHS.get(kind, (None, False))
+        if measured is not None:
+            break
     if measured is not None and (t.stop_metric, t.patience, t.min_delta) == MEASURED_RULE \
             and measured <= t.max_epochs:
         guard = ("" if guarded == bool(t.loss_guard) else
@@ -255,31 +355,48 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
                  else "; measured with train.loss_guard, which can only lengthen a run: an upper bound")
         guess = ("" if at or not other else
                  f"; they trained with {', '.join(f'{k}={MEASURED_SETTINGS[k]}' for k, _ in other)}: a guess")
+        if kind[2] != cfg.model.name:
+            guess += f"; {kind[2]} is another variant of {cfg.model.name}'s family: a guess"
         where = f" at {', '.join(f'{k}={v}' for k, v in other)}" if at else ""
-        return float(measured), (f"what the platform's converged {start(warm)}{cfg.model.name} runs on "
+        return float(measured), (f"what the platform's converged {start(warm)}{kind[2]} runs on "
                                  f"{cfg.data.corpus}{where} took (no such run in this store yet; at most the cap, "
                                  f"{t.max_epochs}{guard}{guess})")
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
 def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
-                     warm: bool | None = None, settings: bool = True) -> list[int]:
+                     warm: bool | None = None, settings: bool = True, models: Sequence[str] = ()) -> list[int]:
     """Epochs of the finished runs in the store that the patience rule stopped and that trained as ``cfg`` would
     (same model, role, train/valid splits, stopping rule and epoch cap, and with ``settings`` the same
     :data:`TRAINING_SETTINGS`; with ``warm`` given, only the runs that started from other weights
-    (``train.init_from``), or only those that did not)."""
-    return [int(r.metrics["epoch"]) for r in converged_runs(cfg, role, tracking_uri, warm, settings)]
+    (``train.init_from``), or only those that did not). ``models``: runs of these models instead of ``cfg``'s."""
+    return [int(r.metrics["epoch"]) for r in converged_runs(cfg, role, tracking_uri, warm, settings, models)]
+
+
+def family(name: str) -> tuple[str, ...]:
+    """The registered model names that build the model class ``name`` builds: a family and its named variants
+    (``bert_jam``, ``bert_jam_m1``, ...), sorted."""
+    from nmtcore.config import MODEL_CONFIGS
+    from nmtcore.models.registry import MODEL_CLASSES
+
+    def built(config: type) -> type:
+        return next(MODEL_CLASSES[c] for c in config.__mro__ if c in MODEL_CLASSES)
+
+    mine = built(MODEL_CONFIGS[name])
+    return tuple(sorted(n for n, c in MODEL_CONFIGS.items() if built(c) is mine))
 
 
 def converged_runs(cfg: ExperimentConfig, role: str, tracking_uri: str | None, warm: bool | None = None,
-                   settings: bool = True) -> list["tracking.RunRecord"]:
+                   settings: bool = True, models: Sequence[str] = ()) -> list["tracking.RunRecord"]:
     """The runs :func:`converged_epochs` counts."""
     from nmtcore import tracking
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
 
+    if not models and cfg.model.name:
+        models = (cfg.model.name,)
     flat, defaults = cfg.flat(), ExperimentConfig().flat()
-    same = ("model.name", "data.train_split", "data.valid_split", "train.stop_metric", "train.patience",
+    same = ("data.train_split", "data.valid_split", "train.stop_metric", "train.patience",
             "train.min_delta", "train.loss_guard", "train.max_epochs") + (TRAINING_SETTINGS if settings else ())
     query = " and ".join([f"tags.`{ROLE_TAG}` = '{role}'", f"tags.`{STOPPED_BY_TAG}` = 'patience'",
                           "attributes.status = 'FINISHED'"])
@@ -289,7 +406,8 @@ def converged_runs(cfg: ExperimentConfig, role: str, tracking_uri: str | None, w
         return []
     return [r for r in runs
             # a setting a run did not log did not exist yet: it ran as the setting's default
-            if "epoch" in r.metrics and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)
+            if "epoch" in r.metrics and r.params.get("model.name", str(defaults["model.name"])) in models
+            and all(r.params.get(k, str(defaults[k])) == str(flat[k]) for k in same)
             and (warm is None or bool(r.params.get("train.init_from")) == warm)]
 
 
@@ -535,6 +653,8 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     tokens, valid_n = epoch_tokens(data), len(data.valid)
     test_n = sum(len(data.splits[name]) for name in base.data.test_splits)
     costs: list[RunCost] = []
+    store = phase_store(settings)
+    known: dict[tuple[str, str, bool], list[tuple[int, ...]]] = {}  # converged phase lengths by kind and start
     for (label, cfg), ckey in itertools.zip_longest(runs, keys):  # a sampled space's points have no key
         key = shape_key(cfg)
         if key not in speeds:
@@ -544,7 +664,11 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         started = warm or bool(cfg.train.init_from)
         epochs, why = expected_epochs(cfg, "trial", settings.tracking_uri, warm=started)
         trained = done[ckey].epochs if ckey in done else 0
-        lengths = converged_phase_lengths(cfg, "trial", settings.tracking_uri, started)
+        kind = (key, repr([cfg.flat()[k] for k in TRAINING_SETTINGS]), started)
+        if kind not in known:
+            known[kind] = converged_phase_lengths(cfg, "trial", settings.tracking_uri, started,
+                                                  len(speeds[key].phase_epochs))
+        lengths = known[kind]
         # how its epochs split over the phases (each phase at its own speed): as converged runs split theirs, else
         # as the schedule fixes them
         weights = ([statistics.median(p) for p in zip(*lengths)] if lengths
@@ -560,8 +684,15 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         elif trained:
             # at least one more epoch: a run the patience rule has not stopped yet trains another to find out
             epochs, why = max(epochs - trained, 1.0), f"{why}; less the {trained} it has trained"
-        costs.append(run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu,
-                              weights))
+        cost = run_cost(label, epochs, why, speeds[key], tokens, valid_n, test_n, cfg.train.valid_bleu, weights)
+        if store and not trained and len(speeds[key].phase_epochs) > 1:
+            # a trial from scratch may start where another's phases ended (its own cfg as the trial gets it)
+            own = cfg.with_overrides({"train.init_from": start}) if warm and start else cfg
+            found = phase_keys(own, data, store, "cuda" if settings.gpus_per_trial > 0 else "cpu")
+            if found:
+                cost = dataclasses.replace(cost, prefixes=prefix_cost(
+                    *found, epochs, speeds[key], tokens, valid_n, cfg.train.valid_bleu, weights))
+        costs.append(cost)
 
     base_cost, base_done, done_epochs = None, False, 0
     if bcfg is not None:
@@ -602,18 +733,60 @@ def phase_epochs(run_id: str, tracking_uri: str | None) -> tuple[int, ...]:
 
 
 def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
-                            warm: bool | None = None) -> list[tuple[int, ...]]:
+                            warm: bool | None = None, phases: int = 0) -> list[tuple[int, ...]]:
     """The phase lengths of the runs :func:`converged_epochs` counts (the same model and settings, else the same
-    model), for a schedule whose phases run until convergence (``train.phases_converge``); [] otherwise."""
+    model, else another variant of its :func:`family`), for a schedule whose phases run until convergence (``train.phases_converge``); [] otherwise. Only
+    whole schedules of ``phases`` phases (0: of the longest schedule found): a variant that skips a phase (BERT-JAM's
+    M2, M3) splits its epochs otherwise."""
     if not cfg.train.phases_converge:
         return []
-    for settings in (True, False):
-        runs = converged_runs(cfg, role, tracking_uri, warm, settings)
+    kin = tuple(n for n in family(cfg.model.name) if n != cfg.model.name)
+    for settings, models in ((True, ()), (False, ()), *(((True, kin), (False, kin)) if kin else ())):
+        runs = converged_runs(cfg, role, tracking_uri, warm, settings, models)
         lengths = [p for p in (phase_epochs(r.run_id, tracking_uri) for r in runs) if p]
+        n = phases or max((len(p) for p in lengths), default=0)
+        lengths = [p for p in lengths if len(p) == n]
         if lengths:
-            n = max(len(p) for p in lengths)
-            return [p for p in lengths if len(p) == n]  # whole schedules of one length (a variant's may be shorter)
+            return lengths
     return []
+
+
+def phase_store(settings: Any) -> str:
+    """Where a sweep of ``settings`` keeps and finds phase ends ("": none), as the sweep decides it."""
+    from nmtcore.sweep.driver import phase_store as store
+
+    return store(settings)
+
+
+def phase_keys(cfg: ExperimentConfig, data: PreparedData, store: str,
+               device: str = "cpu") -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The prefix keys a trial of ``cfg`` would keep and look for in the phase store ``store``
+    (:func:`nmtcore.engine.shared_phases.prefix_keys`, its model built as the trial builds it, weights untrained)
+    and the epochs of the phase end the store holds under each (0: none); None where it shares none."""
+    import json
+
+    from nmtcore.bert import ensure_bert
+    from nmtcore.engine.phases import schedule_of
+    from nmtcore.engine.shared_phases import PhaseShare, prefix_keys
+    from nmtcore.models.registry import build_model, prepare_model_resources
+    from nmtcore.sweep import reuse
+
+    ready = prepare_model_resources(ensure_bert(cfg), data)
+    vocab = data.vocab
+    model = build_model(ready.model, len(vocab), vocab.pad_id, vocab.bos_id, vocab.eos_id)
+    phases = schedule_of(ready, model)
+    if len(phases) < 2:
+        return None
+    share = PhaseShare(Path(store), reuse.phase_context(ready, data.checksums, device), ignore=reuse.NOT_RESULTS)
+    keys = prefix_keys(model, phases, ready.train.phases_converge, share)
+    stored = []
+    for key in keys:
+        try:
+            note = json.loads((Path(store) / f"{key}.json").read_text(encoding="utf-8"))
+            stored.append(int(note["epoch"]) if (Path(store) / f"{key}.pt").is_file() else 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            stored.append(0)
+    return keys, tuple(stored)
 
 
 def phase_weights_left(lengths: list[tuple[int, ...]], done: tuple[int, ...], patience: int) -> list[float]:
