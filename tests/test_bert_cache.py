@@ -71,7 +71,8 @@ def test_miss_then_hit_and_rows(tmp_path: Path) -> None:
     np.testing.assert_array_equal(sub.rows(1), store.rows(1))
 
 
-@pytest.mark.parametrize("change", [{"bert": "v" * 64}, {"layers": (2,)}, {"max_length": 32}, "inputs"])
+@pytest.mark.parametrize("change", [{"bert": "v" * 64}, {"layers": (1, 2)}, {"layers": (1,)}, {"max_length": 32},
+                                    "inputs"])
 def test_any_key_change_is_a_miss(tmp_path: Path, change) -> None:
     inputs, bert = toy_inputs(), CountingBert()
     cache = FeatureCache(tmp_path)
@@ -90,6 +91,31 @@ def test_any_key_change_is_a_miss(tmp_path: Path, change) -> None:
         cache.get_or_build(key, inputs, bert)
     assert bert.calls > n
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+def test_layers_an_entry_holds_among_more_are_read_from_it_as_their_own_build_writes_them(tmp_path: Path) -> None:
+    """BERT-JAM's M2 reads the top layer of the states M0 cached for every layer: the same BERT and inputs, so no
+    second pass; what it reads is what a build of its own layers writes, row for row."""
+    inputs = toy_inputs()
+    wide, bert = FeatureCache(tmp_path / "wide"), CountingBert((0, 1, 2))
+    wide.get_or_build(key_for(inputs, layers=(0, 1, 2)), inputs, bert, batch_tokens=30)
+    n = bert.calls
+    top = wide.get_or_build(key_for(inputs, layers=(2,)), inputs, CountingBert((2,)), batch_tokens=30)
+    assert bert.calls == n and top.layers == (2,) and top.picks == (2,)
+    assert len([d for d in (tmp_path / "wide").iterdir() if d.is_dir()]) == 1  # nothing written
+    own = FeatureCache(tmp_path / "own").get_or_build(key_for(inputs, layers=(2,)), inputs, CountingBert((2,)),
+                                                      batch_tokens=30)
+    for i in range(len(inputs)):
+        np.testing.assert_array_equal(top.rows(i), own.rows(i))
+    idx = np.array([5, 0, 3])
+    assert torch.equal(top.gather(idx, 16), own.gather(idx, 16))
+    assert torch.equal(top.select(idx).gather(np.array([2, 1]), 16), own.select(idx).gather(np.array([2, 1]), 16))
+    # several layers, in the order the key asks for them; the narrowest holder first
+    pair = wide.load(key_for(inputs, layers=(2, 0)))
+    np.testing.assert_array_equal(pair.rows(4)[:, 0], wide.load(key_for(inputs, layers=(0, 1, 2))).rows(4)[:, 2])
+    assert wide.load(key_for(inputs, layers=(3,))) is None and wide.load(key_for(inputs, layers=(2,),
+                                                                                  max_length=32)) is None
+    assert wide.load(key_for(inputs, layers=(2,)), n_sentences=len(inputs) + 1) is None
 
 
 def test_corrupt_entry_is_rebuilt(tmp_path: Path) -> None:

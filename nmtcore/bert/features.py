@@ -18,7 +18,9 @@ killed mid-write leaves a temporary directory that is never read (and is removed
 its process is gone). Builders of the same key serialise on ``<digest>.lock``; the second one finds the
 first one's entry. A present entry whose files do not match its ``meta.json`` is treated as a miss.
 :meth:`FeatureCache.get_or_build_shared` writes several entries of one split from one pass: a BERT and its
-bottom truncations (the size grid's L2 and L4 of one encoder), each under its own key.
+bottom truncations (the size grid's L2 and L4 of one encoder), each under its own key. A key whose layers an
+entry of the same BERT, inputs and maximum length holds among more is read from that entry (BERT-JAM's M2, which
+reads the top layer, from the states M0 cached for every layer): no second pass, nothing written.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ class FeatureStore:
     positions after :meth:`select` to rows of the stored split."""
 
     def __init__(self, features: np.ndarray, offsets: np.ndarray, layers: tuple[int, ...],
-                 index: np.ndarray | None = None, path: Path | None = None) -> None:
+                 index: np.ndarray | None = None, path: Path | None = None,
+                 picks: tuple[int, ...] | None = None) -> None:
         self.features, self.offsets, self.layers, self.index, self.path = features, offsets, layers, index, path
+        # positions of ``layers`` among the stored ones (an entry that holds more layers: read as this subset)
+        self.picks = picks
         self.build_s: float | None = None  # seconds this process spent computing it (None: read from the cache)
 
     def __len__(self) -> int:
@@ -96,12 +101,13 @@ class FeatureStore:
     def rows(self, i: int) -> np.ndarray:
         """(len_i, K, H) float16 states of sentence ``i``."""
         r = int(self.index[i]) if self.index is not None else int(i)
-        return self.features[self.offsets[r]: self.offsets[r + 1]]
+        rows = self.features[self.offsets[r]: self.offsets[r + 1]]
+        return rows if self.picks is None else rows[:, list(self.picks)]
 
     def gather(self, indices: np.ndarray, length: int) -> Tensor:
         """(B, length, K, H) float16 states of sentences ``indices``, right-padded with zeros."""
-        _, K, H = self.features.shape
-        out = np.zeros((len(indices), length, K, H), dtype=np.float16)
+        H = self.features.shape[2]
+        out = np.zeros((len(indices), length, len(self.layers), H), dtype=np.float16)
         for b, i in enumerate(indices):
             rows = self.rows(int(i))[:length]
             out[b, : len(rows)] = rows
@@ -110,7 +116,7 @@ class FeatureStore:
     def select(self, indices: np.ndarray) -> "FeatureStore":
         idx = np.asarray(indices, dtype=np.int64)
         return FeatureStore(self.features, self.offsets, self.layers,
-                            self.index[idx] if self.index is not None else idx, self.path)
+                            self.index[idx] if self.index is not None else idx, self.path, self.picks)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,37 @@ class FeatureCache:
         return self.root / key.digest()
 
     def load(self, key: FeatureKey, n_sentences: int | None = None) -> FeatureStore | None:
+        """The complete entry of ``key`` memory-mapped, else the layers of ``key`` read from a complete entry that
+        holds them among more layers of the same BERT and inputs (BERT-JAM's M2 reads the top layer of the
+        states M0 and M1 cached: the same pass's values), or None."""
+        store = self._load(key, n_sentences)
+        if store is not None:
+            return store
+        for other in self._wider(key):
+            store = self._load(other, n_sentences)
+            if store is not None:
+                return FeatureStore(store.features, store.offsets, key.layers, path=store.path,
+                                    picks=tuple(other.layers.index(layer) for layer in key.layers))
+        return None
+
+    def _wider(self, key: FeatureKey) -> list[FeatureKey]:
+        """The keys of the entries under the root with ``key``'s BERT, inputs and maximum length and a superset of
+        its layers, fewest layers first."""
+        found = []
+        for meta_path in self.root.glob("*/meta.json"):
+            try:
+                k = json.loads(meta_path.read_text(encoding="utf-8"))["key"]
+                other = FeatureKey(bert=k["bert"], inputs=k["inputs"], layers=tuple(k["layers"]),
+                                   max_length=int(k["max_length"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if (k.get("format") == CACHE_FORMAT and other != key
+                    and (other.bert, other.inputs, other.max_length) == (key.bert, key.inputs, key.max_length)
+                    and set(key.layers) <= set(other.layers)):
+                found.append(other)
+        return sorted(found, key=lambda o: (len(o.layers), o.digest()))
+
+    def _load(self, key: FeatureKey, n_sentences: int | None = None) -> FeatureStore | None:
         """The complete entry of ``key`` memory-mapped, or None (absent, or not matching its meta.json)."""
         path = self.entry(key)
         try:
@@ -175,7 +212,8 @@ class FeatureCache:
         stores: list[FeatureStore | None] = [self.load(e.key, len(inputs)) for e in entries]
         for e, store in zip(entries, stores):
             if store is not None:
-                log.info("BERT features %s: cache hit (%s)", e.describe.get("split", ""), store.path)
+                log.info("BERT features %s: cache hit (%s%s)", e.describe.get("split", ""),
+                         "" if store.picks is None else f"layers {list(e.key.layers)} of ", store.path)
         missing = [j for j, s in enumerate(stores) if s is None]
         if not missing:
             return [s for s in stores if s is not None]
