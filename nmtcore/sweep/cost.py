@@ -578,7 +578,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     from nmtcore.sweep.plan import (SEED_KEY, baseline_config, config_key, distinct_berts, stream_label,
                                     trial_overrides, validate_space)
     from nmtcore.sweep.space import CELL_KEY
-    from nmtcore.sweep.settings import resolve_settings
+    from nmtcore.sweep.settings import phase_store, resolve_settings
 
     settings = resolve_settings(settings)
     validate_space(space, base, settings.seeds)
@@ -749,13 +749,6 @@ def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str 
         if lengths:
             return lengths
     return []
-
-
-def phase_store(settings: Any) -> str:
-    """Where a sweep of ``settings`` keeps and finds phase ends ("": none), as the sweep decides it."""
-    from nmtcore.sweep.driver import phase_store as store
-
-    return store(settings)
 
 
 def phase_keys(cfg: ExperimentConfig, data: PreparedData, store: str,

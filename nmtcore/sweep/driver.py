@@ -48,6 +48,7 @@ from nmtcore.sweep.settings import (
     SweepSettings,
     is_uri,
     join,
+    phase_store,
     resolve_settings,
 )
 from nmtcore.sweep.space import SearchSpace
@@ -332,17 +333,6 @@ def _context(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
         in_actor=in_actor, data_checksums=dict(data or {}), reuse_trials=settings.reuse_trials,
         phase_store=phase_store(settings))
 
-
-def phase_store(settings: SweepSettings) -> str:
-    """Where this sweep's trials keep their phase ends and find other sweeps' (:mod:`nmtcore.engine.shared_phases`):
-    ``<storage>/phase-ends``, shared by every sweep of that storage; "" (nothing shared) with ``--no-reuse-trials``
-    or a storage that is not a local path."""
-    if not settings.reuse_trials or is_uri(settings.storage):
-        return ""
-    return str(Path(settings.storage) / PHASE_ENDS)
-
-
-PHASE_ENDS = "phase-ends"
 
 
 def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: ExperimentConfig, settings: SweepSettings,

@@ -202,6 +202,18 @@ def resolve_settings(settings: SweepSettings) -> SweepSettings:
                    tracking_uri=resolve_tracking_uri(settings.tracking_uri))
 
 
+def phase_store(settings: SweepSettings) -> str:
+    """Where a sweep's trials keep their phase ends and find other sweeps' (:mod:`nmtcore.engine.shared_phases`):
+    ``<storage>/phase-ends``, shared by every sweep of that storage; "" (nothing shared) with ``--no-reuse-trials``
+    or a storage that is not a local path."""
+    if not settings.reuse_trials or is_uri(settings.storage):
+        return ""
+    return str(Path(settings.storage) / PHASE_ENDS)
+
+
+PHASE_ENDS = "phase-ends"
+
+
 def is_uri(path: str) -> bool:
     """A cloud URI (``s3://``...), not a local path."""
     return "://" in path and not path.startswith("file://")
