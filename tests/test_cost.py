@@ -440,7 +440,7 @@ def test_a_variant_with_no_runs_of_its_own_takes_its_family_s_as_a_guess(tmp_pat
             t.log_metrics({"epoch": e, "phase": phase}, step=e)
     assert expected_epochs(m0, "trial", uri, warm=False)[0] == 39.0
     epochs, why = expected_epochs(m1, "trial", uri, warm=False)
-    assert epochs == 39.0 and "other variants of bert_jam_m1's family" in why and "a guess" in why, why
+    assert epochs == 39.0 and "run of bert_jam, another variant of bert_jam_m1's family" in why and "a guess" in why, why
     epochs, why = expected_epochs(m1.with_overrides({"model.dropout": 0.1}), "trial", uri, warm=False)
     assert epochs == 39.0 and "trained with other settings: a guess" in why, why
     assert cost.converged_phase_lengths(m1, "trial", uri, warm=False, phases=3) == [(23, 6, 10)]

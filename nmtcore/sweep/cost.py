@@ -332,11 +332,12 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
             f"in the store trained with other settings ({', '.join(TRAINING_SETTINGS)}): a guess")
     kin = [n for n in family(cfg.model.name) if n != cfg.model.name]
     for settings in (True, False):  # another variant of the family (BERT-JAM's M0 for its M1): closer than the cap
-        epochs = converged_epochs(cfg, role, tracking_uri, warm, settings, models=kin)
-        if epochs:
-            return float(statistics.median(epochs)), (
-                f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of other "
-                f"variants of {cfg.model.name}'s family ({', '.join(kin)}) in the store"
+        runs = converged_runs(cfg, role, tracking_uri, warm, settings, models=kin)
+        if runs:
+            names = sorted({r.params.get("model.name", "?") for r in runs})
+            return float(statistics.median(int(r.metrics["epoch"]) for r in runs)), (
+                f"the median of {len(runs)} converged {start(warm)}{role} run{'s' * (len(runs) > 1)} of "
+                f"{', '.join(names)}, another variant of {cfg.model.name}'s family, in the store"
                 f"{'' if settings else ' trained with other settings'}: a guess")
     warm = (role == "trial") if warm is None else warm
     flat = cfg.flat()
