@@ -120,6 +120,24 @@ SPACES = {
                        hypothesis="M0 fits the training set faster than its control because phases 1-2 feed it the "
                                   "same noise-free BERT states every epoch; with BERT's dropout on it does not.")
             for measure, bound in (("fit:train_nll", 0.0), ("bleu:test_2016_flickr", -0.3)))),
+    # Not the paper's: row 4's third follow-up (docs/reproduction.md). The authors' code trains the decoder with
+    # drop-net over Eq. 10's two joint attentions (one of them at random per layer; their average at inference), a
+    # regularizer the platform leaves off to follow the paper's equation: M0 with it on, against the control under
+    # the study's protocol:
+    # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_decoder_drop_net --against M0_full
+    "bert_jam_decoder_drop_net": SearchSpace(
+        STUDY, "bert_jam_decoder_drop_net", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
+        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
+        arms={"M0_decoder_drop_net": {"model.name": "bert_jam", "model.decoder_p_net": 1.0}},
+        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 with the authors' code's decoder drop-net (not in the "
+                 "paper)",
+        description="BERT-JAM M0 with drop-net over the decoder's two joint attentions, as the authors' code trains it",
+        predictions=tuple(
+            Prediction("M0_decoder_drop_net", measure, at_least=bound, written="2026-12-06 12:56",
+                       hypothesis="M0 fits the training set better than its control and tests worse because its "
+                                  "decoder always reads BERT beside the encoder; with the authors' decoder drop-net, "
+                                  "which makes each layer do with one of the two, it fits less and does not lose.")
+            for measure, bound in (("fit:train_nll", -0.2), ("bleu:test_2016_flickr", -0.3)))),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(
