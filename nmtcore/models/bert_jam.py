@@ -153,8 +153,7 @@ class LayerGLU(nn.Module):
     def forward(self, states: Tensor, scale: Tensor | float = 1.0) -> Tensor:
         """states (B, L_B, M, H), layer-major per sentence (:meth:`BertOut.stack` with ``dim=1``) → (B, M, H),
         times ``scale`` (the phase's GLU factor, folded into α). Σ α_i B_i and Σ β_i B_i are one matrix product,
-        (2, L_B) × (L_B, M·H) per sentence, over the states in place: no permuted copy of them per GLU (the
-        einsum over (B, M, L_B, H) made one per call, six a step at 3+3).
+        (2, L_B) × (L_B, M·H) per sentence, over the states in place: no permuted copy of them per GLU.
 
         Recomputed in the backward pass while its weights train (:func:`~nmtcore.nn.checkpointing.checkpoint_layers`,
         set in ``__init__``): only ``states``, shared by every layer's GLU, is kept, not each GLU's mix and gate.
@@ -173,7 +172,10 @@ def mix_layers(glus: list[LayerGLU], states: Tensor, scale: Tensor | float = 1.0
     Multi30k batch's states on 2 CPU cores). ``scale`` multiplies α, never the (B, M, H) outputs."""
     b, n_layers, m, h = states.shape
     w = torch.cat([g.weights(scale) for g in glus])  # (R, L_B)
-    rows = torch.matmul(w, states.reshape(b, n_layers, m * h))  # (B, R, M·H), the stacked states as a view
+    # One batched product per sentence, (R, L_B) × (L_B, M·H), the stacked states as a view. ``torch.matmul`` of
+    # a 2-D by a 3-D tensor folds the batch instead: a transposed (B·M·H, L_B) copy of the states, a product of
+    # inner size L_B and, in the backward pass, one of inner size R, all memory-bound on the CPU.
+    rows = torch.bmm(w.expand(b, *w.shape), states.reshape(b, n_layers, m * h))  # (B, R, M·H)
     out, i = [], 0
     for g in glus:
         if g.beta is None:  # M1: B = Σ α_i B_i
