@@ -6,7 +6,10 @@ Changes (each toggled alone, the other left on):
 - ``dropout``: the BERT's ``nn.Dropout`` modules draw as :func:`nmtcore.nn.layers.dropout` does
   (:class:`~nmtcore.nn.layers.FastDropout`) against ``F.dropout``'s per-element Bernoulli draws;
 - ``cast``: each BERT self-attention casts its fp32 input once for q, k and v
-  (:func:`nmtcore.bert.attention.cast_projections_once`) against autocast casting it once per projection.
+  (:func:`nmtcore.bert.attention.cast_projections_once`) against autocast casting it once per projection;
+- ``glu_bmm``: BERT-JAM's GLU mix as one batched product per sentence (:func:`nmtcore.models.bert_jam.mix_layers`)
+  against ``torch.matmul``'s fold of the 2-D weights by the 3-D states (a transposed copy of the states and
+  products of inner size L_B and R). Only BERT-JAM has it: elsewhere it is skipped.
 
 Cases (``multi30k_small`` preset, Multi30k En→De, the trainer's own batches):
 
@@ -19,7 +22,7 @@ step with/without=<median ratio>`` (below 1: the change is faster). It starts on
 train on (:mod:`nmtcore.allocator`). Run it alone on the machine.
 
   python bench/bert_step.py --data-dir ../shared/data [--threads 2] [--cases plm_sponsored,bert_jam_ft]
-      [--changes dropout,cast] [--block 3] [--rounds 4]
+      [--changes dropout,cast,glu_bmm] [--block 3] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ CASES = {
     "bert_jam_ft": {"model.name": "bert_jam", "model.bert.name": "minilm",
                     "train.phases": [{"name": "finetune", "epochs": 0, "trainable": ["nmt", "glu", "bert"]}]},
 }
-CHANGES = ("dropout", "cast")
+CHANGES = ("dropout", "cast", "glu_bmm")
 
 
 def toggles(model) -> dict:
     """For each change, a function that turns it on (True) or off (False) in ``model``."""
+    import torch
     from torch import nn
 
     from nmtcore.bert.attention import _cast_once
@@ -62,7 +66,31 @@ def toggles(model) -> dict:
             if on:
                 m.register_forward_pre_hook(_cast_once, with_kwargs=True)
 
-    return {"dropout": dropout, "cast": cast}
+    import nmtcore.models.bert_jam as bert_jam
+
+    batched = bert_jam.mix_layers
+
+    def folded(glus, states, scale=1.0):  # the mix before the change: torch.matmul(2-D, 3-D)
+        b, n_layers, m, h = states.shape
+        w = torch.cat([g.weights(scale) for g in glus])
+        rows = torch.matmul(w, states.reshape(b, n_layers, m * h))
+        out, i = [], 0
+        for g in glus:
+            if g.beta is None:
+                out.append(rows[:, i].view(b, m, h))
+                i += 1
+            else:
+                out.append((torch.sigmoid(rows[:, i + 1]) * rows[:, i]).view(b, m, h))
+                i += 2
+        return out
+
+    def glu_bmm(on: bool) -> None:
+        bert_jam.mix_layers = batched if on else folded
+
+    changes = {"dropout": dropout, "cast": cast}
+    if isinstance(model, bert_jam.BertJam):
+        changes["glu_bmm"] = glu_bmm
+    return changes
 
 
 def main() -> int:
@@ -105,6 +133,9 @@ def main() -> int:
         for _ in range(2):  # allocator, optimizer state and autocast caches warm
             trainer.train_step([next(batches)])
         for change in changes:
+            if change not in switch:
+                print(f"{case} {change}: not in this model, skipped", flush=True)
+                continue
             times: dict[bool, list[float]] = {False: [], True: []}
             for r in range(args.rounds):
                 block = [next(batches) for _ in range(args.block)]

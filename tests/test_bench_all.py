@@ -74,7 +74,8 @@ def test_the_bert_step_bench_alternates_each_change_and_prints_its_ratio(shared_
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert [line.split(":")[0] for line in results] == ["RESULT bert_jam_ft dropout", "RESULT bert_jam_ft cast"]
+    assert [line.split(":")[0] for line in results] == ["RESULT bert_jam_ft dropout", "RESULT bert_jam_ft cast",
+                                                         "RESULT bert_jam_ft glu_bmm"]
     assert all(0.2 < float(line.split("=")[1].split()[0]) < 5 for line in results), results
     bad = subprocess.run([sys.executable, str(script), "--cases", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown nope" in bad.stderr
