@@ -76,6 +76,21 @@ PLM_LOSS_ARMS = {
     )
 }
 
+
+def m0_follow_up(name: str, arm: str, overrides: dict[str, object], citation: str, description: str, written: str,
+                 hypothesis: str, bounds: tuple[tuple[str, float], ...]) -> SearchSpace:
+    """A row-4 follow-up (not the paper's; its hypothesis in docs/reproduction.md): BERT-JAM's M0 changed by
+    ``overrides`` as one arm, against the control under the ``bert_jam`` study's protocol, each prediction
+    (``bounds``: measure, lowest value that holds) written before any run."""
+    return SearchSpace(
+        STUDY, name, "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
+        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
+        arms={arm: {"model.name": "bert_jam", **overrides}},
+        citation=f"Zhang et al. 2020, BERT-JAM, Table 7's M0 {citation} (not in the paper)", description=description,
+        predictions=tuple(Prediction(arm, measure, at_least=bound, written=written, hypothesis=hypothesis)
+                          for measure, bound in bounds))
+
+
 SPACES = {
     # BERT-JAM M0–M3 (Table 7): each ablation is a registered model whose config is defined by its
     # fields (M1 glu=weighted_sum, M2 bert_layers=last without the GLU phase, M3 no warm-up phase).
@@ -94,50 +109,35 @@ SPACES = {
     # bottom four layers, so its GLU reads layers 1-4 and starts on layer 4 (Eq. 11), not on the top layer that
     # all-MiniLM-L6-v2 trains for a pooled sentence embedding. One arm and the control under the study's protocol:
     # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_layer4 --against M0_full
-    "bert_jam_layer4": SearchSpace(
-        STUDY, "bert_jam_layer4", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
-        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
-        arms={"M0_layer4": {"model.name": "bert_jam", "model.bert.name": "minilm:L4"}},
-        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 over another BERT's layers (not in the paper)",
-        description="BERT-JAM M0 over MiniLM's bottom four layers instead of all six",
-        predictions=(Prediction("M0_layer4", "bleu:test_2016_flickr", at_least=-0.3, written="2026-12-05 22:14",
-                                hypothesis="M0 loses because its GLU attends to MiniLM's top layer, trained for a "
-                                           "pooled sentence embedding; over layers 1-4 it does not lose."),)),
+    "bert_jam_layer4": m0_follow_up(
+        "bert_jam_layer4", "M0_layer4", {"model.bert.name": "minilm:L4"}, "over another BERT's layers",
+        "BERT-JAM M0 over MiniLM's bottom four layers instead of all six", "2026-12-05 22:14",
+        "M0 loses because its GLU attends to MiniLM's top layer, trained for a pooled sentence embedding; over "
+        "layers 1-4 it does not lose.", (("bleu:test_2016_flickr", -0.3),)),
     # Not the paper's: row 4's second follow-up (docs/reproduction.md). The authors' fairseq leaves the frozen BERT's
     # dropout on in phases 1-2, where the platform serves eval-mode features from its cache: M0 with BERT's own
     # dropout on while frozen (the cache is then off, BERT runs every step), against the control under the study's
     # protocol:
     # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_bert_dropout --against M0_full
-    "bert_jam_bert_dropout": SearchSpace(
-        STUDY, "bert_jam_bert_dropout", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
-        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
-        arms={"M0_bert_dropout": {"model.name": "bert_jam", "model.bert.dropout_when_frozen": True}},
-        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 with the authors' code's BERT dropout in phases 1-2 "
-                 "(not in the paper)",
-        description="BERT-JAM M0 with BERT's dropout on while it is frozen, as the authors' code runs it",
-        predictions=tuple(
-            Prediction("M0_bert_dropout", measure, at_least=bound, written="2026-12-06 00:04",
-                       hypothesis="M0 fits the training set faster than its control because phases 1-2 feed it the "
-                                  "same noise-free BERT states every epoch; with BERT's dropout on it does not.")
-            for measure, bound in (("fit:train_nll", 0.0), ("bleu:test_2016_flickr", -0.3)))),
+    "bert_jam_bert_dropout": m0_follow_up(
+        "bert_jam_bert_dropout", "M0_bert_dropout", {"model.bert.dropout_when_frozen": True},
+        "with the authors' code's BERT dropout in phases 1-2",
+        "BERT-JAM M0 with BERT's dropout on while it is frozen, as the authors' code runs it", "2026-12-06 00:04",
+        "M0 fits the training set faster than its control because phases 1-2 feed it the same noise-free BERT states "
+        "every epoch; with BERT's dropout on it does not.", (("fit:train_nll", 0.0), ("bleu:test_2016_flickr", -0.3))),
     # Not the paper's: row 4's third follow-up (docs/reproduction.md). The authors' code trains the decoder with
     # drop-net over Eq. 10's two joint attentions (one of them at random per layer; their average at inference), a
     # regularizer the platform leaves off to follow the paper's equation: M0 with it on, against the control under
     # the study's protocol:
     # nmtcore report --sweep ablations-bert_jam-dropout03-m0 --sweep ablations-bert_jam_decoder_drop_net --against M0_full
-    "bert_jam_decoder_drop_net": SearchSpace(
-        STUDY, "bert_jam_decoder_drop_net", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
-        budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
-        arms={"M0_decoder_drop_net": {"model.name": "bert_jam", "model.decoder_p_net": 1.0}},
-        citation="Zhang et al. 2020, BERT-JAM, Table 7's M0 with the authors' code's decoder drop-net (not in the "
-                 "paper)",
-        description="BERT-JAM M0 with drop-net over the decoder's two joint attentions, as the authors' code trains it",
-        predictions=tuple(
-            Prediction("M0_decoder_drop_net", measure, at_least=bound, written="2026-12-06 12:56",
-                       hypothesis="M0 fits the training set better than its control and tests worse because its "
-                                  "decoder always reads BERT beside the encoder; with the authors' decoder drop-net, "
-                                  "which makes each layer do with one of the two, it fits less and does not lose.")
-            for measure, bound in (("fit:train_nll", -0.2), ("bleu:test_2016_flickr", -0.3)))),
+    "bert_jam_decoder_drop_net": m0_follow_up(
+        "bert_jam_decoder_drop_net", "M0_decoder_drop_net", {"model.decoder_p_net": 1.0},
+        "with the authors' code's decoder drop-net",
+        "BERT-JAM M0 with drop-net over the decoder's two joint attentions, as the authors' code trains it",
+        "2026-12-06 12:56",
+        "M0 fits the training set better than its control and tests worse because its decoder always reads BERT "
+        "beside the encoder; with the authors' decoder drop-net, which makes each layer do with one of the two, it "
+        "fits less and does not lose.", (("fit:train_nll", -0.2), ("bleu:test_2016_flickr", -0.3))),
     # Mask fusion M0–M3 (Table 4): every arm sets all three switches (nmtcore.models.mask_fusion), so a
     # base config cannot leak one into another arm; θ stays the base's (0.03 by default).
     "mask_fusion": SearchSpace(

@@ -21,8 +21,9 @@ Trials run in grid order, each starting as soon as one of the ``slots`` (trials 
 them; the trials' phase is that schedule's makespan. A trial from scratch whose first phases another trial of the
 plan has trained by the time it starts, or the sweep's phase store already holds, is charged only for the rest of
 its schedule (:func:`schedule`, :mod:`nmtcore.engine.shared_phases`). A model variant with no converged run of its
-own in the store takes its family's runs (BERT-JAM's M0 for its M1), and says it is a guess. Speeds are measured with nothing else running: trials
-that share a machine's memory bandwidth run somewhat slower, which the estimate does not model.
+own in the store takes its family's runs (BERT-JAM's M0 for its M1), and says it is a guess. Speeds are measured
+with nothing else running: trials that share a machine's memory bandwidth run somewhat slower, which the estimate
+does not model.
 """
 
 from __future__ import annotations
@@ -189,10 +190,15 @@ def run_cost(label: str, epochs: float, epochs_from: str, speed: Speed, tokens: 
     epochs train at that phase's speed (``speed.phase_tokens_per_s``); without them every epoch is the first
     phase's."""
     train_s = tokens / speed.train_tokens_per_s
-    if phase_weights and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0:
+    if _weighs_every_phase(phase_weights, speed):
         train_s = sum(w * tokens / tps for w, tps in zip(phase_weights, speed.phase_tokens_per_s)) / sum(phase_weights)
     epoch_s = train_s + valid_s(speed, valid_sentences, valid_bleu)
     return RunCost(label, epochs, epoch_s, test_sentences / speed.decode_sentences_per_s, epochs_from)
+
+
+def _weighs_every_phase(phase_weights: Sequence[float], speed: Speed) -> bool:
+    """Whether ``phase_weights`` gives every phase of ``speed``'s schedule a share, some of them above 0."""
+    return bool(phase_weights) and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0
 
 
 def valid_s(speed: Speed, valid_sentences: int, valid_bleu: bool = True) -> float:
@@ -206,7 +212,7 @@ def prefix_cost(keys: Sequence[str], stored: Sequence[int], epochs: float, speed
     as ``phase_weights`` split them, each phase's epochs at that phase's speed; without weights for every phase,
     the prefixes' costs are not known here (0)."""
     n = len(keys)
-    if not (phase_weights and len(phase_weights) == len(speed.phase_tokens_per_s) and sum(phase_weights) > 0):
+    if not _weighs_every_phase(phase_weights, speed):
         return PrefixCost(tuple(keys), (0.0,) * n, (0.0,) * n, tuple(stored))
     scale = epochs / sum(phase_weights)
     per = [w * scale for w in phase_weights]
@@ -736,9 +742,9 @@ def phase_epochs(run_id: str, tracking_uri: str | None) -> tuple[int, ...]:
 def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
                             warm: bool | None = None, phases: int = 0) -> list[tuple[int, ...]]:
     """The phase lengths of the runs :func:`converged_epochs` counts (the same model and settings, else the same
-    model, else another variant of its :func:`family`), for a schedule whose phases run until convergence (``train.phases_converge``); [] otherwise. Only
-    whole schedules of ``phases`` phases (0: of the longest schedule found): a variant that skips a phase (BERT-JAM's
-    M2, M3) splits its epochs otherwise."""
+    model, else another variant of its :func:`family`), for a schedule whose phases run until convergence
+    (``train.phases_converge``); [] otherwise. Only whole schedules of ``phases`` phases (0: of the longest schedule
+    found): a variant that skips a phase (BERT-JAM's M2, M3) splits its epochs otherwise."""
     if not cfg.train.phases_converge:
         return []
     kin = tuple(n for n in family(cfg.model.name) if n != cfg.model.name)
