@@ -317,9 +317,10 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
                     warm: bool | None = None) -> tuple[float, str]:
     """How many epochs a run of ``cfg`` (role ``baseline`` or ``trial``) trains, and where the figure comes from:
     the budget's fixed epochs; for a budget that trains to convergence, the median over the converged runs of
-    the same model, role, start (``warm``: from other weights, the shared baseline's; default: either in the
-    store, and a trial's measured figure that of warm-started ones), data, stopping rule and cap in the store at
-    ``tracking_uri``, else the cap. A trial from scratch converges like a baseline, not like a second stage: the
+    the same role, start (``warm``: from other weights, the shared baseline's; default: either in the store, and
+    a trial's measured figure that of warm-started ones), data, stopping rule and cap in the store at
+    ``tracking_uri``, on the nearest of the :func:`rungs` that has any (the same model and settings first), else
+    the platform's measured figure of the model or its family, else the cap. A trial from scratch converges like a baseline, not like a second stage: the
     start decides."""
     t = cfg.train
     if not t.patience:
@@ -327,24 +328,22 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     def start(warm: bool | None) -> str:  # how a trial's runs started, as the figure's source says it
         return {None: "", True: "warm-started ", False: "from-scratch "}[warm] if role == "trial" else ""
 
-    epochs = converged_epochs(cfg, role, tracking_uri, warm)
-    if epochs:
-        return float(statistics.median(epochs)), (f"the median of {len(epochs)} converged {start(warm)}{role} run"
-                                                  f"{'s' * (len(epochs) > 1)} of this kind in the store")
-    epochs = converged_epochs(cfg, role, tracking_uri, warm, settings=False)
-    if epochs:  # the same model and rule, trained otherwise (another dropout, say): closer than the cap, not sure
-        return float(statistics.median(epochs)), (
-            f"the median of {len(epochs)} converged {start(warm)}{role} run{'s' * (len(epochs) > 1)} of this model "
-            f"in the store trained with other settings ({', '.join(TRAINING_SETTINGS)}): a guess")
-    kin = [n for n in family(cfg.model.name) if n != cfg.model.name]
-    for settings in (True, False):  # another variant of the family (BERT-JAM's M0 for its M1): closer than the cap
-        runs = converged_runs(cfg, role, tracking_uri, warm, settings, models=kin)
-        if runs:
-            names = sorted({r.params.get("model.name", "?") for r in runs})
-            return float(statistics.median(int(r.metrics["epoch"]) for r in runs)), (
-                f"the median of {len(runs)} converged {start(warm)}{role} run{'s' * (len(runs) > 1)} of "
-                f"{', '.join(names)}, another variant of {cfg.model.name}'s family, in the store"
-                f"{'' if settings else ' trained with other settings'}: a guess")
+    kin = kindred(cfg.model.name)
+    for settings, models in rungs(kin):
+        runs = converged_runs(cfg, role, tracking_uri, warm, settings, models)
+        if not runs:
+            continue
+        n, median = len(runs), float(statistics.median(int(r.metrics["epoch"]) for r in runs))
+        if models:
+            names = ", ".join(sorted({r.params.get("model.name", "?") for r in runs}))
+            of = f"of {names}, another variant of {cfg.model.name}'s family,"
+        else:
+            of = "of this kind" if settings else "of this model"
+        otherwise = "" if settings else " trained with other settings" + (
+            "" if models else f" ({', '.join(TRAINING_SETTINGS)})")
+        guess = "" if settings and not models else ": a guess"
+        return median, (f"the median of {n} converged {start(warm)}{role} run{'s' * (n > 1)} {of} in the store"
+                        f"{otherwise}{guess}")
     warm = (role == "trial") if warm is None else warm
     flat = cfg.flat()
     other = tuple(sorted((k, flat[k]) for k, v in MEASURED_SETTINGS.items() if flat[k] != v))
@@ -371,15 +370,6 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     return float(t.max_epochs), "the cap: an upper bound, no converged run of this kind in the store yet"
 
 
-def converged_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
-                     warm: bool | None = None, settings: bool = True, models: Sequence[str] = ()) -> list[int]:
-    """Epochs of the finished runs in the store that the patience rule stopped and that trained as ``cfg`` would
-    (same model, role, train/valid splits, stopping rule and epoch cap, and with ``settings`` the same
-    :data:`TRAINING_SETTINGS`; with ``warm`` given, only the runs that started from other weights
-    (``train.init_from``), or only those that did not). ``models``: runs of these models instead of ``cfg``'s."""
-    return [int(r.metrics["epoch"]) for r in converged_runs(cfg, role, tracking_uri, warm, settings, models)]
-
-
 def family(name: str) -> tuple[str, ...]:
     """The registered model names that build the model class ``name`` builds: a family and its named variants
     (``bert_jam``, ``bert_jam_m1``, ...), sorted."""
@@ -393,9 +383,26 @@ def family(name: str) -> tuple[str, ...]:
     return tuple(sorted(n for n, c in MODEL_CONFIGS.items() if built(c) is mine))
 
 
+def kindred(name: str) -> tuple[str, ...]:
+    """The other variants of ``name``'s :func:`family`."""
+    return tuple(n for n in family(name) if n != name)
+
+
+def rungs(kin: Sequence[str]) -> list[tuple[bool, tuple[str, ...]]]:
+    """Where a figure measured on converged runs is looked for, nearest first, as :func:`converged_runs`'
+    ``(settings, models)``: runs of the same model and settings, of the same model trained otherwise (another
+    dropout, say), then of another variant of its family (``kin``: BERT-JAM's M0 for its M1) alike and otherwise.
+    Each is closer than the cap; all but the first are a guess."""
+    kin = tuple(kin)
+    return [(True, ()), (False, ()), *([(True, kin), (False, kin)] if kin else [])]
+
+
 def converged_runs(cfg: ExperimentConfig, role: str, tracking_uri: str | None, warm: bool | None = None,
                    settings: bool = True, models: Sequence[str] = ()) -> list["tracking.RunRecord"]:
-    """The runs :func:`converged_epochs` counts."""
+    """The finished runs in the store that the patience rule stopped and that trained as ``cfg`` would (same
+    model, role, train/valid splits, stopping rule and epoch cap, and with ``settings`` the same
+    :data:`TRAINING_SETTINGS`; with ``warm`` given, only the runs that started from other weights
+    (``train.init_from``), or only those that did not). ``models``: runs of these models instead of ``cfg``'s."""
     from nmtcore import tracking
     from nmtcore.sweep.lifecycle import ROLE_TAG
     from nmtcore.tracking.callback import STOPPED_BY_TAG
@@ -741,14 +748,13 @@ def phase_epochs(run_id: str, tracking_uri: str | None) -> tuple[int, ...]:
 
 def converged_phase_lengths(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
                             warm: bool | None = None, phases: int = 0) -> list[tuple[int, ...]]:
-    """The phase lengths of the runs :func:`converged_epochs` counts (the same model and settings, else the same
-    model, else another variant of its :func:`family`), for a schedule whose phases run until convergence
-    (``train.phases_converge``); [] otherwise. Only whole schedules of ``phases`` phases (0: of the longest schedule
-    found): a variant that skips a phase (BERT-JAM's M2, M3) splits its epochs otherwise."""
+    """The phase lengths of the converged runs on the nearest of the :func:`rungs` that has any, for a schedule
+    whose phases run until convergence (``train.phases_converge``); [] otherwise. Only whole schedules of
+    ``phases`` phases (0: of the longest schedule found): a variant that skips a phase (BERT-JAM's M2, M3) splits
+    its epochs otherwise."""
     if not cfg.train.phases_converge:
         return []
-    kin = tuple(n for n in family(cfg.model.name) if n != cfg.model.name)
-    for settings, models in ((True, ()), (False, ()), *(((True, kin), (False, kin)) if kin else ())):
+    for settings, models in rungs(kindred(cfg.model.name)):
         runs = converged_runs(cfg, role, tracking_uri, warm, settings, models)
         lengths = [p for p in (phase_epochs(r.run_id, tracking_uri) for r in runs) if p]
         n = phases or max((len(p) for p in lengths), default=0)
