@@ -249,6 +249,10 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             for run in runs:
                 if not finished_only or trial_state(run) in _FINISHED:
                     used.setdefault(trial_of(run), name)
+    kept: dict[tuple[tuple[str, str], str], tracking.RunRecord] = {}  # each sweep's run of a trial, a finished one first
+    for name, runs in children:
+        for run in sorted(runs, key=lambda r: trial_state(r) in _FINISHED):
+            kept[trial_of(run), name] = run
     for name, runs in children:
         for run in runs:
             key, seed = trial_of(run)
@@ -257,7 +261,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                 first, second = [n for n, _ in children if n in (chosen, name)]
                 why = "" if first == chosen else f" (it finished there, not in {name})"
                 warnings.append(f"{run.run_name or key} (seed {seed}) is in {first} and in {second}: "
-                                f"{chosen}'s run is used{why}")
+                                f"{chosen}'s run is used{why}"
+                                f"{_both_tested(kept[(key, seed), chosen], run, chosen, name, splits)}")
                 continue
             by_key.setdefault(key, []).append(run)
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
@@ -556,6 +561,20 @@ def _averaging_mismatch(reference: Group, groups: list[Group]) -> list[str]:
                        f"{' / '.join(sorted(ref))}: not like for like (train.average_last against the length of the "
                        "arms' last phase); compare the same kind of weights before reading ΔBLEU")
     return out
+
+
+def _both_tested(used: tracking.RunRecord, other: tracking.RunRecord, used_in: str, other_in: str,
+                 splits: Sequence[str]) -> str:
+    """Where a (config, seed) trained twice and both runs tested: their test BLEU side by side, so that a reader
+    sees how far two runs of one config and seed part (other code, other machine, nondeterministic kernels)
+    beside the Δs the report draws from one of them; "" otherwise."""
+    pairs = [(split, used.metrics.get(f"test/{split}/bleu"), other.metrics.get(f"test/{split}/bleu"))
+             for split in splits]
+    pairs = [(split, a, b) for split, a, b in pairs if a is not None and b is not None]
+    if not pairs:
+        return ""
+    return "; both tested, " + ", ".join(f"{split} {a:.2f} in {used_in} and {b:.2f} in {other_in}"
+                                         for split, a, b in pairs)
 
 
 def _find_reference(groups: list[Group], reference: Any) -> Group | None:
