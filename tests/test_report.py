@@ -3,6 +3,7 @@ temporary store gives the control-first table, Δ / interval / p-values, the L x
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -653,13 +654,44 @@ def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(t
     parent.end()
     rep = results.build_report("fit", uri, n_bootstrap=0)
     fits = {g.label: g.fit for g in rep.groups}
-    assert fits["control"] == [results.Fit(2, 2.0, 2.7, 3, 1.8, 2.75)]
-    assert fits["bert_jam"] == [results.Fit(2, 1.5, 2.8, 2, 1.5, 2.8)]
+    assert [dataclasses.replace(f, path=()) for f in fits["control"]] == [results.Fit(2, 2.0, 2.7, 3, 1.8, 2.75)]
+    assert [dataclasses.replace(f, path=()) for f in fits["bert_jam"]] == [results.Fit(2, 1.5, 2.8, 2, 1.5, 2.8)]
+    assert fits["bert_jam"][0].path == ((1, 2.8, 2.95, 10.0, 0), (2, 1.5, 2.8, 20.0, 0))  # epoch 3: no valid NLL
     md = report.render_markdown(rep)
     assert "**How each arm fit the training data**" in md
-    assert "| control | 3.0 | 2.0 | 2.000 | 2.700 | 0.700 | — | — | 1.800 | 2.750 |" in md
-    assert "| bert_jam | 2.0 | 2.0 | 1.500 | 2.800 | 1.300 | -0.500 | +0.100 | 1.500 | 2.800 |" in md
+    # At equal fit: the arm's training NLL came down to the control's 2.0 between its epochs 1 (2.8) and 2 (1.5),
+    # 0.8 / 1.3 of the way, where its validation NLL was 2.95 - 0.615 * 0.15 = 2.858: 0.158 above the control's.
+    assert "| control | 3.0 | 2.0 | 2.000 | 2.700 | 0.700 | — | — | 1.800 | 2.750 | — | — |" in md
+    assert ("| bert_jam | 2.0 | 2.0 | 1.500 | 2.800 | 1.300 | -0.500 | +0.100 | 1.500 | 2.800 | 2.858 (epoch 1.6) "
+            "| +0.158 |") in md
     assert json.loads(json.dumps(report._to_json(rep)))["fit"]["bert_jam"][0]["train_at_best"] == 1.5
+    assert "Phase by phase" not in md  # no run trained in phases
+
+
+def test_fit_at_equal_training_nll_and_phase_by_phase():
+    """An arm's validation NLL where its training NLL first reached a level (interpolated), None where it never
+    did; each phase's last epoch; and the phase table beside the reference's figures at the same epochs."""
+    curves = {"train_nll": {1: 3.0, 2: 2.0, 3: 2.4, 4: 1.6}, "valid_nll": {1: 3.1, 2: 2.9, 3: 2.8, 4: 2.7},
+              "valid_bleu": {1: 10.0, 2: 20.0, 3: 22.0, 4: 25.0}, "phase": {1: 1, 2: 1, 3: 2, 4: 2}}
+    fit = results.Fit.of(curves)
+    assert fit.at_train_nll(2.5) == pytest.approx((1.5, 3.0))  # halfway between epochs 1 and 2
+    assert fit.at_train_nll(3.0) == (1.0, 3.1)  # reached at the first epoch: no epoch before it
+    assert fit.at_train_nll(2.2) == pytest.approx((1.8, 2.94))  # the first crossing, not the one in phase 2
+    assert fit.at_train_nll(1.0) is None
+    assert fit.phase_ends() == [(1, 1, 2, 2.0, 2.9, 20.0), (2, 3, 4, 1.6, 2.7, 25.0)]
+    assert fit.at_epoch(3) == (2.4, 2.8, 22.0) and fit.at_epoch(9) is None
+    assert results.Fit.of({k: v for k, v in curves.items() if k != "phase"}).phase_ends() == []
+    ref = results.Fit.of({"train_nll": {1: 2.9, 2: 2.5, 3: 2.3}, "valid_nll": {1: 3.0, 2: 2.6, 3: 2.65},
+                          "valid_bleu": {1: 12.0, 2: 24.0, 3: 23.0}})
+    arm_g = results.Group(config_key="a", label="M0", control=False, values={}, runs=[], order=1, fit=[fit])
+    ref_g = results.Group(config_key="c", label="control", control=True, values={}, runs=[], order=0, fit=[ref])
+    rep = results.SweepReport(sweep="s", parent_run_id="p", tracking_uri="", study="", space={}, varied_keys=[],
+                              metric="valid_bleu", test_splits=[], protocol="", groups=[ref_g, arm_g],
+                              reference=ref_g, warnings=[])
+    lines = report.phase_fit_table(rep, ref_g)
+    assert "| M0 | 1 | 1-2 | 2.000 | 2.900 | 0.900 | 20.00 | 2.500 | 2.600 | 24.00 |" in lines
+    assert "| M0 | 2 | 3-4 | 1.600 | 2.700 | 1.100 | 25.00 | — (stopped after epoch 3) | — | — |" in lines
+    assert report.phase_fit_table(dataclasses.replace(rep, groups=[ref_g]), ref_g) == []
 
 
 def falling_arm(rep):

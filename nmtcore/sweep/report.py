@@ -18,7 +18,9 @@ stopped by patience, none while its validation loss was still falling or its BLE
 which any run — or the baseline the arms warm-started from — did not converge opens with one line saying its
 Δs are not an answer. Below the tables, how each arm used BERT
 (:mod:`nmtcore.diagnostics`), how each arm fit its training data against validation (training and validation
-NLL at the lowest validation NLL and at the last epoch: overfitting shows there), and ``valid_curves.png``: every
+NLL at the lowest validation NLL and at the last epoch: overfitting shows there; each arm's validation NLL where
+its training NLL came down to the reference's, the two at equal fit; for arms trained in phases, each phase's end
+beside the reference at the same epoch), and ``valid_curves.png``: every
 run's validation BLEU, loss and (where logged) training against validation NLL per epoch on one figure.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
@@ -319,11 +321,18 @@ def fit_table(report: SweepReport) -> list[str]:
              "the one with the lower training NLL and the higher validation NLL learnt the training set more "
              "and generalises less."
              + (f" `Δ vs {ref.label}`: the arm's minus the {ref.label}'s, at each one's lowest validation NLL."
+                f" `at the {ref.label}'s train NLL`: the arm's validation NLL where its training NLL first came down"
+                f" to the {ref.label}'s at the {ref.label}'s lowest validation NLL (interpolated between epochs),"
+                f" and that minus the {ref.label}'s there: the two at equal fit, whatever either went on to; above"
+                f" zero, the arm generalises less from what it has learnt."
                 if ref is not None else ""), "",
              "| arm | last epoch | lowest valid NLL at epoch | train NLL there | valid NLL there | gap"
              + (f" | Δ train vs {ref.label} | Δ valid vs {ref.label}" if ref is not None else "")
-             + " | train NLL, last epoch | valid NLL, last epoch |",
-             "|---|---|---|---|---|---" + ("|---|---" if ref is not None else "") + "|---|---|"]
+             + " | train NLL, last epoch | valid NLL, last epoch"
+             + (f" | valid NLL at the {ref.label}'s train NLL | Δ valid there vs {ref.label}" if ref is not None else "")
+             + " |",
+             "|---|---|---|---|---|---" + ("|---|---" if ref is not None else "") + "|---|---"
+             + ("|---|---" if ref is not None else "") + "|"]
 
     def m(g: Any, attr: str) -> float | None:
         return mean([getattr(f, attr) for f in g.fit])
@@ -335,8 +344,61 @@ def fit_table(report: SweepReport) -> list[str]:
             cells += ["—" if g is ref else f"{m(g, attr) - m(ref, attr):+.3f}"
                       for attr in ("train_at_best", "valid_at_best")]
         cells += [_f(m(g, "train_last"), 3), _f(m(g, "valid_last"), 3)]
+        if ref is not None:
+            cells += _equal_fit_cells(g, ref, m(ref, "train_at_best"), m(ref, "valid_at_best"))
         lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + [""] + phase_fit_table(report, ref)
+
+
+def _equal_fit_cells(g: Any, ref: Any, level: float, ref_valid: float) -> list[str]:
+    """The fit table's two cells at equal fit: ``g``'s validation NLL where its training NLL first came down to
+    ``level`` (the reference's at its lowest validation NLL; the epoch beside it), and that minus the reference's
+    validation NLL there; "—" for the reference, "not reached" where no seed got that far."""
+    if g is ref:
+        return ["—", "—"]
+    found = [f.at_train_nll(level) for f in g.fit]
+    reached = [x for x in found if x is not None]
+    if not reached:
+        return ["not reached", "—"]
+    valid = mean([v for _, v in reached])
+    short = f"; {len(found) - len(reached)} of {len(found)} seeds never got there" if len(reached) < len(found) else ""
+    return [f"{valid:.3f} (epoch {mean([e for e, _ in reached]):.1f}{short})", f"{valid - ref_valid:+.3f}"]
+
+
+def phase_fit_table(report: SweepReport, ref: Any) -> list[str]:
+    """For arms trained in phases: each phase's last epoch, its training and validation NLL and validation BLEU,
+    beside the reference's at the same epoch (mean over seeds): in which phase an arm's fit parts from the
+    reference's. Nothing when no arm has phases."""
+    rows = []
+    for g in report.groups:
+        ends = [f.phase_ends() for f in g.fit]
+        ends = [e for e in ends if e]
+        if not ends:
+            continue
+        for phase in sorted({p[0] for e in ends for p in e}):
+            at = [p for e in ends for p in e if p[0] == phase]
+            first, last = mean([p[1] for p in at]), mean([p[2] for p in at])
+            cells = [_f(first, 1 if len(at) > 1 else 0) + "-" + _f(last, 1 if len(at) > 1 else 0),
+                     _f(mean([p[3] for p in at]), 3), _f(mean([p[4] for p in at]), 3),
+                     _f(mean([p[4] - p[3] for p in at]), 3), _f(mean([p[5] for p in at]), 2)]
+            if ref is not None and ref is not g:
+                there = [x for f in ref.fit for p in at if (x := f.at_epoch(p[2])) is not None]
+                cells += ([_f(mean([x[i] for x in there]), 3 if i < 2 else 2) for i in range(3)] if there
+                          else [f"— (stopped after epoch {_f(mean([f.last_epoch for f in ref.fit]), 0)})"] + ["—"] * 2)
+            elif ref is not None:
+                cells += ["—"] * 3
+            rows.append(f"| {g.label} | {phase} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    against = ref is not None
+    return ["**Phase by phase** (arms trained in phases, mean over seeds): each phase's last epoch, the training "
+            "and validation NLL there (bits per target token) and the greedy validation BLEU"
+            + (f", beside the {ref.label}'s at the same epoch: the phase in which an arm's fit parts from the "
+               f"{ref.label}'s" if against else "") + ".", "",
+            "| arm | phase | epochs | train NLL | valid NLL | gap | valid BLEU"
+            + (f" | {ref.label}: train NLL | {ref.label}: valid NLL | {ref.label}: valid BLEU" if against else "")
+            + " |",
+            "|---|---|---|---|---|---|---" + ("|---|---|---" if against else "") + "|", *rows, ""]
 
 
 def write_report(report: SweepReport, out_dir: str | os.PathLike) -> list[Path]:

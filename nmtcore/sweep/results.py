@@ -427,6 +427,8 @@ class Fit:
     last_epoch: int
     train_last: float
     valid_last: float
+    # every epoch that logged both NLLs: (epoch, training NLL, validation NLL, validation BLEU or nan, phase or 0)
+    path: tuple[tuple[int, float, float, float, int], ...] = ()
 
     @property
     def gap_at_best(self) -> float:
@@ -436,12 +438,47 @@ class Fit:
     def of(cls, curves: Mapping[str, Mapping[int, float]]) -> "Fit | None":
         """From a run's curves by epoch (:func:`_valid_curves`); None unless some epoch logged both NLLs."""
         train, valid = curves.get("train_nll", {}), curves.get("valid_nll", {})
+        bleu, phase = curves.get("valid_bleu", {}), curves.get("phase", {})
         both = sorted(e for e in valid if e in train and not (math.isnan(train[e]) or math.isnan(valid[e])))
         if not both:
             return None
         best = min(both, key=lambda e: (valid[e], e))
         last = both[-1]
-        return cls(int(best), train[best], valid[best], int(last), train[last], valid[last])
+        path = tuple((int(e), train[e], valid[e], bleu.get(e, math.nan), int(phase.get(e, 0) or 0)) for e in both)
+        return cls(int(best), train[best], valid[best], int(last), train[last], valid[last], path)
+
+    def at_train_nll(self, level: float) -> tuple[float, float] | None:
+        """Where the run's training NLL first came down to ``level``: (epoch, validation NLL), both interpolated
+        linearly between the epoch before and the one that reached it; None if it never did. Beside another run's
+        validation NLL at that run's own training NLL ``level``, it compares the two at equal fit: the one that
+        validates higher there generalises less from what it has learnt, whatever either went on to."""
+        before = None
+        for epoch, train, valid, _, _ in self.path:
+            if train <= level:
+                if before is None:
+                    return float(epoch), valid
+                e0, t0, v0 = before
+                w = (t0 - level) / (t0 - train)
+                return e0 + w * (epoch - e0), v0 + w * (valid - v0)
+            before = (epoch, train, valid)
+        return None
+
+    def phase_ends(self) -> list[tuple[int, int, int, float, float, float]]:
+        """Each phase's (phase, first epoch, last epoch, training NLL, validation NLL, validation BLEU) at its last
+        epoch; [] for a run without phases."""
+        ends: list[tuple[int, int, int, float, float, float]] = []
+        for epoch, train, valid, bleu, phase in self.path:
+            if not phase:
+                return []
+            if ends and ends[-1][0] == phase:
+                ends[-1] = (phase, ends[-1][1], epoch, train, valid, bleu)
+            else:
+                ends.append((phase, epoch, epoch, train, valid, bleu))
+        return ends
+
+    def at_epoch(self, epoch: int) -> tuple[float, float, float] | None:
+        """(training NLL, validation NLL, validation BLEU) at ``epoch``; None if the run did not log it."""
+        return next(((t, v, b) for e, t, v, b, _ in self.path if e == epoch), None)
 
 
 def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]) -> Progress:
