@@ -388,6 +388,31 @@ def test_the_report_says_how_each_arm_used_bert_and_draws_every_runs_validation_
     assert [len(c["valid_bleu"]) for _, c in rep.groups[0].curves] == [3]
 
 
+def test_the_validation_delta_of_the_tested_models_stands_beside_each_test_delta(tmp_path):
+    """The tested models' greedy validation BLEU, arm minus reference, beside each test set's Δ and CI: a reader
+    sees where validation and a test set part; nothing where the reference has no validation figure."""
+    uri = f"sqlite:///{tmp_path / 'vt.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="vt", tags={
+        lifecycle.SWEEP_TAG: "vt", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
+              diagnostics={"valid_bleu/tested": 30.0})
+    add_trial(parent, tmp_path, 1, 1, "fused", 0.8, {"arm": "fused"}, curves=FLAT,
+              diagnostics={"valid_bleu/tested": 28.75})
+    add_trial(parent, tmp_path, 1, 2, "plain", 0.5, {"arm": "plain"}, curves=FLAT)  # no validation figure: no row
+    parent.end()
+    rep = results.build_report("vt", uri, n_bootstrap=200)
+    c = next(g for g in rep.groups if g.label == "fused").comparisons[SPLIT]
+    assert c.delta > 0  # better on the test set, worse on validation: the two parted
+    lines = report.valid_beside_test(rep)
+    assert lines[0].startswith("**Validation beside test** (Δ against the control")
+    assert f"| fused | -1.25 | {c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] |" in lines
+    assert not any(line.startswith("| plain") for line in lines)
+    assert "**Validation beside test**" in report.render_markdown(rep)
+    rep.groups[0].diagnostics.clear()
+    assert report.valid_beside_test(rep) == []
+
+
 def test_an_estimate_logged_before_training_stands_beside_what_each_arm_took(tmp_path):
     uri = f"sqlite:///{tmp_path / 'est.db'}"
     parent = tracking.Tracker(uri, experiment="sweeps", run_name="est", tags={

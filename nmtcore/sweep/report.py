@@ -17,7 +17,8 @@ budget each arm had (epochs, updates, wall time), which rule stopped its runs (`
 stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in
 which any run — or the baseline the arms warm-started from — did not converge opens with one line saying its
 Δs are not an answer. Below the tables, how each arm used BERT
-(:mod:`nmtcore.diagnostics`), how each arm fit its training data against validation (training and validation
+(:mod:`nmtcore.diagnostics`), each arm's Δ on the validation set beside its Δ on each test set, how each arm fit
+its training data against validation (training and validation
 NLL at the lowest validation NLL and at the last epoch: overfitting shows there; each arm's validation NLL where
 its training NLL came down to the reference's, the two at equal fit; for arms trained in phases, each phase's end
 beside the reference at the same epoch), and ``valid_curves.png``: every
@@ -197,6 +198,7 @@ def render_markdown(report: SweepReport) -> str:
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
     lines += rarity_tables(report)
     lines += diagnostics_table(report)
+    lines += valid_beside_test(report)
     lines += fit_table(report)
     lines += unfinished_lines(report)
     tail = [f"- warning: {w}" for w in report.warnings]
@@ -303,6 +305,36 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              "| figure | " + " | ".join(g.label for g in arms) + " |", "|---|" + "|".join("---" for _ in arms) + "|"]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(_f(mean(g.diagnostics.get(name, [])), 3) for g in arms) + " |")
+    return lines + [""]
+
+
+VALID_TESTED = "valid_bleu/tested"  # the tested model's greedy validation BLEU (nmtcore.diagnostics)
+
+
+def valid_beside_test(report: SweepReport) -> list[str]:
+    """Each arm's Δ on the validation set (the tested model's greedy BLEU, mean over seeds) beside its Δ on each
+    test set, against the reference: sets drawn alike should agree within their noise, and where they part
+    the reader sees it next to the test Δ the study's answer rests on. Nothing without the validation figure."""
+    ref = report.reference
+    if ref is None or not ref.diagnostics.get(VALID_TESTED):
+        return []
+    arms = [g for g in report.groups if g is not ref and g.diagnostics.get(VALID_TESTED)]
+    if not arms:
+        return []
+    base = mean(ref.diagnostics[VALID_TESTED])
+    lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over seeds): the validation set's greedy "
+             "BLEU of the model each run tested, beside the test sets' Δ (beam search, the tables above). The "
+             "validation set chose when each run stopped, so it leans its way; a test set whose Δ parts from it by "
+             "more than its CI is one where a single set's draw decides the answer.", "",
+             "| arm | Δ validation (greedy) | " + " | ".join(f"Δ {split}" for split in report.test_splits) + " |",
+             "|---|---|" + "|".join("---" for _ in report.test_splits) + "|"]
+    for g in arms:
+        cells = [f"{mean(g.diagnostics[VALID_TESTED]) - base:+.2f}"]
+        for split in report.test_splits:
+            c = g.comparisons.get(split)
+            cells.append("—" if c is None or c.delta is None else
+                         f"{c.delta:+.2f}" + ("" if c.ci_low is None else f" [{c.ci_low:+.2f}, {c.ci_high:+.2f}]"))
+        lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
