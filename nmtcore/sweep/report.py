@@ -16,13 +16,12 @@ budget each arm had (epochs, updates, wall time), which rule stopped its runs (`
 ``cap``: the epoch or update cap with the rule on; ``schedule``: a fixed budget) and ``converged`` = every run
 stopped by patience, none while its validation loss was still falling or its BLEU still rising. A report in
 which any run — or the baseline the arms warm-started from — did not converge opens with one line saying its
-Δs are not an answer. Below the tables, how each arm used BERT
-(:mod:`nmtcore.diagnostics`), each arm's Δ on the validation set beside its Δ on each test set, how each arm fit
-its training data against validation (training and validation
-NLL at the lowest validation NLL and at the last epoch: overfitting shows there; each arm's validation NLL where
-its training NLL came down to the reference's, the two at equal fit; for arms trained in phases, each phase's end
-beside the reference at the same epoch), and ``valid_curves.png``: every
-run's validation BLEU, loss and (where logged) training against validation NLL per epoch on one figure.
+Δs are not an answer. Below the tables, how each arm used BERT (:mod:`nmtcore.diagnostics`), each arm's Δ on the
+validation set beside its Δ on each test set, how each arm fit its training data against validation (training and
+validation NLL at the lowest validation NLL and at the last epoch: overfitting shows there; each arm's validation
+NLL where its training NLL came down to the reference's, the two at equal fit; for arms trained in phases, each
+phase's end beside the reference at the same epoch), and ``valid_curves.png``: every run's validation BLEU, loss
+and (where logged) training against validation NLL per epoch on one figure.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
 set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,
@@ -361,7 +360,8 @@ def fit_table(report: SweepReport) -> list[str]:
              "| arm | last epoch | lowest valid NLL at epoch | train NLL there | valid NLL there | gap"
              + (f" | Δ train vs {ref.label} | Δ valid vs {ref.label}" if ref is not None else "")
              + " | train NLL, last epoch | valid NLL, last epoch"
-             + (f" | valid NLL at the {ref.label}'s train NLL | Δ valid there vs {ref.label}" if ref is not None else "")
+             + (f" | valid NLL at the {ref.label}'s train NLL | Δ valid there vs {ref.label}"
+                if ref is not None else "")
              + " |",
              "|---|---|---|---|---|---" + ("|---|---" if ref is not None else "") + "|---|---"
              + ("|---|---" if ref is not None else "") + "|"]
@@ -415,8 +415,9 @@ def phase_fit_table(report: SweepReport, ref: Any) -> list[str]:
                      _f(mean([p[4] - p[3] for p in at]), 3), _f(mean([p[5] for p in at]), 2)]
             if ref is not None and ref is not g:
                 there = [x for f in ref.fit for p in at if (x := f.at_epoch(p[2])) is not None]
+                stopped = f"— (stopped after epoch {_f(mean([f.last_epoch for f in ref.fit]), 0)})"
                 cells += ([_f(mean([x[i] for x in there]), 3 if i < 2 else 2) for i in range(3)] if there
-                          else [f"— (stopped after epoch {_f(mean([f.last_epoch for f in ref.fit]), 0)})"] + ["—"] * 2)
+                          else [stopped, "—", "—"])
             elif ref is not None:
                 cells += ["—"] * 3
             rows.append(f"| {g.label} | {phase} | " + " | ".join(cells) + " |")
