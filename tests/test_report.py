@@ -551,6 +551,12 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     assert (f"; both tested, {SPLIT} {control.bleu[SPLIT]['1']:.2f} in runA and "
             f"{again.metrics[f'test/{SPLIT}/bleu']:.2f} in runB") in twice, twice
     assert control.bleu[SPLIT]["1"] != again.metrics[f"test/{SPLIT}/bleu"]
+    copied = _sweep(uri, "runF", baseline_run="b1")  # runA's seed-1 control copied: the same scores
+    add_trial(copied, tmp_path, 1, 0, "control", 0.3, control=True)
+    copied.end()
+    same = results.build_report(["runA", "runF"], uri, n_bootstrap=0)
+    assert any(w.endswith("runA's run is used; both test alike: one training, copied into the other sweep")
+               for w in same.warnings), same.warnings
     assert "Pooled over the sweeps `runA`, `runB`" in report.render_markdown(rep)
     assert not any("different trainings of the shared baseline" in w for w in rep.warnings)  # one machine's
     # A sweep run on another machine trained the shared baseline again: the pooled report says so.

@@ -610,6 +610,8 @@ def _both_tested(used: tracking.RunRecord, other: tracking.RunRecord, used_in: s
     pairs = [(split, a, b) for split, a, b in pairs if a is not None and b is not None]
     if not pairs:
         return ""
+    if all(a == b for _, a, b in pairs):
+        return "; both test alike: one training, copied into the other sweep"
     return "; both tested, " + ", ".join(f"{split} {a:.2f} in {used_in} and {b:.2f} in {other_in}"
                                          for split, a, b in pairs)
 
