@@ -723,6 +723,15 @@ def test_fit_at_equal_training_nll_and_phase_by_phase():
     assert "| M0 | 1 | 1-2 | 2.000 | 2.900 | 0.900 | 20.00 | 2.500 | 2.600 | 24.00 |" in lines
     assert "| M0 | 2 | 3-4 | 1.600 | 2.700 | 1.100 | 25.00 | — (stopped after epoch 3) | — | — |" in lines
     assert report.phase_fit_table(dataclasses.replace(rep, groups=[ref_g]), ref_g) == []
+    # A phased reference (an ablation against its full model): each phase beside the reference's end of it.
+    full = results.Fit.of({"train_nll": {1: 2.6, 2: 2.2, 3: 2.1}, "valid_nll": {1: 3.0, 2: 2.8, 3: 2.75},
+                           "valid_bleu": {1: 15.0, 2: 21.0, 3: 23.5}, "phase": {1: 1, 2: 1, 3: 3}})
+    full_g = results.Group(config_key="f", label="full", control=False, values={}, runs=[], order=2, fit=[full])
+    lines = report.phase_fit_table(dataclasses.replace(rep, groups=[arm_g, full_g], reference=full_g), full_g)
+    assert "beside the full's at the end of the same phase" in lines[0]
+    assert "| M0 | 1 | 1-2 | 2.000 | 2.900 | 0.900 | 20.00 | 2.200 | 2.800 | 21.00 |" in lines
+    assert "| M0 | 2 | 3-4 | 1.600 | 2.700 | 1.100 | 25.00 | — (no phase 2) | — | — |" in lines
+    assert "| full | 3 | 3-3 | 2.100 | 2.750 | 0.650 | 23.50 | — | — | — |" in lines
 
 
 def falling_arm(rep):

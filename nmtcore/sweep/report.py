@@ -397,36 +397,49 @@ def _equal_fit_cells(g: Any, ref: Any, level: float, ref_valid: float) -> list[s
     return [f"{valid:.3f} (epoch {mean([e for e, _ in reached]):.1f}{short})", f"{valid - ref_valid:+.3f}"]
 
 
+def _phase_ends(g: Any) -> dict[int, list[tuple[int, int, int, float, float, float]]]:
+    """``g``'s phase ends (:meth:`~nmtcore.sweep.results.Fit.phase_ends`) by phase, one per seed that reached it."""
+    out: dict[int, list[tuple[int, int, int, float, float, float]]] = {}
+    for f in g.fit:
+        for end in f.phase_ends():
+            out.setdefault(end[0], []).append(end)
+    return dict(sorted(out.items()))
+
+
 def phase_fit_table(report: SweepReport, ref: Any) -> list[str]:
-    """For arms trained in phases: each phase's last epoch, its training and validation NLL and validation BLEU,
-    beside the reference's at the same epoch (mean over seeds): in which phase an arm's fit parts from the
-    reference's. Nothing when no arm has phases."""
+    """For arms trained in phases: each phase's last epoch, its training and validation NLL and validation BLEU
+    (mean over seeds), beside the reference's: at the end of the same phase where the reference has phases too
+    (an ablation against its full model), else at the same epoch. It shows in which phase an arm's fit parts from
+    the reference's. Nothing when no arm has phases."""
+    ref_ends = _phase_ends(ref) if ref is not None else {}
     rows = []
     for g in report.groups:
-        ends = [f.phase_ends() for f in g.fit]
-        ends = [e for e in ends if e]
-        if not ends:
-            continue
-        for phase in sorted({p[0] for e in ends for p in e}):
-            at = [p for e in ends for p in e if p[0] == phase]
-            first, last = mean([p[1] for p in at]), mean([p[2] for p in at])
-            cells = [_f(first, 1 if len(at) > 1 else 0) + "-" + _f(last, 1 if len(at) > 1 else 0),
+        for phase, at in _phase_ends(g).items():
+            digits = 1 if len(at) > 1 else 0
+            cells = [f"{_f(mean([p[1] for p in at]), digits)}-{_f(mean([p[2] for p in at]), digits)}",
                      _f(mean([p[3] for p in at]), 3), _f(mean([p[4] for p in at]), 3),
                      _f(mean([p[4] - p[3] for p in at]), 3), _f(mean([p[5] for p in at]), 2)]
-            if ref is not None and ref is not g:
+            if ref is None:
+                pass
+            elif ref is g:
+                cells += ["—"] * 3
+            elif ref_ends:  # at the end of the same phase
+                theirs = ref_ends.get(phase, [])
+                cells += ([_f(mean([p[i] for p in theirs]), 3 if i < 5 else 2) for i in (3, 4, 5)] if theirs
+                          else [f"— (no phase {phase})", "—", "—"])
+            else:  # at the same epoch
                 there = [x for f in ref.fit for p in at if (x := f.at_epoch(p[2])) is not None]
                 stopped = f"— (stopped after epoch {_f(mean([f.last_epoch for f in ref.fit]), 0)})"
                 cells += ([_f(mean([x[i] for x in there]), 3 if i < 2 else 2) for i in range(3)] if there
                           else [stopped, "—", "—"])
-            elif ref is not None:
-                cells += ["—"] * 3
             rows.append(f"| {g.label} | {phase} | " + " | ".join(cells) + " |")
     if not rows:
         return []
     against = ref is not None
+    where = "at the end of the same phase" if ref_ends else "at the same epoch"
     return ["**Phase by phase** (arms trained in phases, mean over seeds): each phase's last epoch, the training "
             "and validation NLL there (bits per target token) and the greedy validation BLEU"
-            + (f", beside the {ref.label}'s at the same epoch: the phase in which an arm's fit parts from the "
+            + (f", beside the {ref.label}'s {where}: the phase in which an arm's fit parts from the "
                f"{ref.label}'s" if against else "") + ".", "",
             "| arm | phase | epochs | train NLL | valid NLL | gap | valid BLEU"
             + (f" | {ref.label}: train NLL | {ref.label}: valid NLL | {ref.label}: valid BLEU" if against else "")
