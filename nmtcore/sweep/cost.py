@@ -320,8 +320,8 @@ def expected_epochs(cfg: ExperimentConfig, role: str, tracking_uri: str | None,
     the same role, start (``warm``: from other weights, the shared baseline's; default: either in the store, and
     a trial's measured figure that of warm-started ones), data, stopping rule and cap in the store at
     ``tracking_uri``, on the nearest of the :func:`rungs` that has any (the same model and settings first), else
-    the platform's measured figure of the model or its family, else the cap. A trial from scratch converges like a baseline, not like a second stage: the
-    start decides."""
+    the platform's measured figure of the model or its family, else the cap. A trial from scratch converges like a
+    baseline, not like a second stage: the start decides."""
     t = cfg.train
     if not t.patience:
         return float(t.max_epochs), "the budget's fixed epochs"

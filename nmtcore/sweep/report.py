@@ -20,8 +20,8 @@ which any run — or the baseline the arms warm-started from — did not converg
 validation set beside its Δ on each test set, how each arm fit its training data against validation (training and
 validation NLL at the lowest validation NLL and at the last epoch: overfitting shows there; each arm's validation
 NLL where its training NLL came down to the reference's, the two at equal fit; for arms trained in phases, each
-phase's end beside the reference at the same epoch), and ``valid_curves.png``: every run's validation BLEU, loss
-and (where logged) training against validation NLL per epoch on one figure.
+phase's end beside the reference's end of that phase, or its same epoch), and ``valid_curves.png``: every run's
+validation BLEU, loss and (where logged) training against validation NLL per epoch on one figure.
 
 Files: ``table.md`` and ``table.csv`` (for people), ``table.json`` (a list of rows, one per arm and test
 set: ``arm``, ``n_seeds``, ``bleu_mean``, ``bleu_sd``, ``delta``, ``ci_low``, ``ci_high``, ``p``,
@@ -47,6 +47,7 @@ from nmtcore.sweep.figures import figures
 from nmtcore.sweep.space import CONTROL
 from nmtcore.sweep.results import (
     Comparison,
+    PhaseEnd,
     SweepReport,
     build_report,
     fmt,
@@ -397,12 +398,12 @@ def _equal_fit_cells(g: Any, ref: Any, level: float, ref_valid: float) -> list[s
     return [f"{valid:.3f} (epoch {mean([e for e, _ in reached]):.1f}{short})", f"{valid - ref_valid:+.3f}"]
 
 
-def _phase_ends(g: Any) -> dict[int, list[tuple[int, int, int, float, float, float]]]:
+def _phase_ends(g: Any) -> dict[int, list[PhaseEnd]]:
     """``g``'s phase ends (:meth:`~nmtcore.sweep.results.Fit.phase_ends`) by phase, one per seed that reached it."""
-    out: dict[int, list[tuple[int, int, int, float, float, float]]] = {}
+    out: dict[int, list[PhaseEnd]] = {}
     for f in g.fit:
         for end in f.phase_ends():
-            out.setdefault(end[0], []).append(end)
+            out.setdefault(end.phase, []).append(end)
     return dict(sorted(out.items()))
 
 
@@ -416,19 +417,20 @@ def phase_fit_table(report: SweepReport, ref: Any) -> list[str]:
     for g in report.groups:
         for phase, at in _phase_ends(g).items():
             digits = 1 if len(at) > 1 else 0
-            cells = [f"{_f(mean([p[1] for p in at]), digits)}-{_f(mean([p[2] for p in at]), digits)}",
-                     _f(mean([p[3] for p in at]), 3), _f(mean([p[4] for p in at]), 3),
-                     _f(mean([p[4] - p[3] for p in at]), 3), _f(mean([p[5] for p in at]), 2)]
+            cells = [f"{_f(mean([p.first for p in at]), digits)}-{_f(mean([p.last for p in at]), digits)}",
+                     _f(mean([p.train for p in at]), 3), _f(mean([p.valid for p in at]), 3),
+                     _f(mean([p.valid - p.train for p in at]), 3), _f(mean([p.bleu for p in at]), 2)]
             if ref is None:
                 pass
             elif ref is g:
                 cells += ["—"] * 3
             elif ref_ends:  # at the end of the same phase
                 theirs = ref_ends.get(phase, [])
-                cells += ([_f(mean([p[i] for p in theirs]), 3 if i < 5 else 2) for i in (3, 4, 5)] if theirs
+                cells += ([_f(mean([p.train for p in theirs]), 3), _f(mean([p.valid for p in theirs]), 3),
+                           _f(mean([p.bleu for p in theirs]), 2)] if theirs
                           else [f"— (no phase {phase})", "—", "—"])
             else:  # at the same epoch
-                there = [x for f in ref.fit for p in at if (x := f.at_epoch(p[2])) is not None]
+                there = [x for f in ref.fit for p in at if (x := f.at_epoch(p.last)) is not None]
                 stopped = f"— (stopped after epoch {_f(mean([f.last_epoch for f in ref.fit]), 0)})"
                 cells += ([_f(mean([x[i] for x in there]), 3 if i < 2 else 2) for i in range(3)] if there
                           else [stopped, "—", "—"])

@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import yaml
 
@@ -249,7 +249,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
             for run in runs:
                 if not finished_only or trial_state(run) in _FINISHED:
                     used.setdefault(trial_of(run), name)
-    kept: dict[tuple[tuple[str, str], str], tracking.RunRecord] = {}  # each sweep's run of a trial, a finished one first
+    # each sweep's run of a trial, a finished one where it has one
+    kept: dict[tuple[tuple[str, str], str], tracking.RunRecord] = {}
     for name, runs in children:
         for run in sorted(runs, key=lambda r: trial_state(r) in _FINISHED):
             kept[trial_of(run), name] = run
@@ -414,6 +415,18 @@ def _valid_curves(run: tracking.RunRecord, uri: str) -> dict[str, dict[int, floa
     return {k: dict(metrics.get(k, [])) for k in CURVE_KEYS}  # sorted by step, then by time: the last one wins
 
 
+class PhaseEnd(NamedTuple):
+    """One phase of a run: its epochs, and the training and validation NLL and greedy validation BLEU at its last
+    epoch."""
+
+    phase: int
+    first: int
+    last: int
+    train: float
+    valid: float
+    bleu: float
+
+
 @dataclass(frozen=True)
 class Fit:
     """How a run fit its training data against how it did on validation, in bits per target token: the training
@@ -463,17 +476,14 @@ class Fit:
             before = (epoch, train, valid)
         return None
 
-    def phase_ends(self) -> list[tuple[int, int, int, float, float, float]]:
-        """Each phase's (phase, first epoch, last epoch, training NLL, validation NLL, validation BLEU) at its last
-        epoch; [] for a run without phases."""
-        ends: list[tuple[int, int, int, float, float, float]] = []
+    def phase_ends(self) -> list["PhaseEnd"]:
+        """Each phase's end (:class:`PhaseEnd`); [] for a run without phases."""
+        ends: list[PhaseEnd] = []
         for epoch, train, valid, bleu, phase in self.path:
             if not phase:
                 return []
-            if ends and ends[-1][0] == phase:
-                ends[-1] = (phase, ends[-1][1], epoch, train, valid, bleu)
-            else:
-                ends.append((phase, epoch, epoch, train, valid, bleu))
+            first = ends.pop().first if ends and ends[-1].phase == phase else epoch
+            ends.append(PhaseEnd(phase, first, epoch, train, valid, bleu))
         return ends
 
     def at_epoch(self, epoch: int) -> tuple[float, float, float] | None:
