@@ -5,10 +5,10 @@ Evaluated on both Multi30k test sets; run with ``--seeds 3`` for a test across s
 """
 
 from nmtcore.sweep.space import SearchSpace
-from search_spaces.protocols import MINILM, MULTI30K_TESTS, QUICK_STAGE, STAGE, WARM_START
+from search_spaces.protocols import FUSION_DROPOUT, MINILM, MULTI30K_TESTS, QUICK_STAGE, STAGE, WARM_START
 
 STUDY = "bert_benefit"
-DEFAULTS = {**MINILM, **MULTI30K_TESTS}
+DEFAULTS = {**MINILM, **MULTI30K_TESTS, **FUSION_DROPOUT}
 BUDGETS = {"converged": STAGE, "quick": {**QUICK_STAGE, "train.max_epochs": 5}}  # quick: its earlier 5 epochs
 
 SPACES = {

@@ -12,7 +12,7 @@ not; the table names each cell's BERT. The model defaults to BERT-fused; entry p
 """
 
 from nmtcore.sweep.space import Heatmap, SearchSpace, grid
-from search_spaces.protocols import MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import FUSION_DROPOUT, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "bert_size_grid"
 MODEL = "bert_fused"
@@ -21,7 +21,8 @@ HIDDEN = (128, 256, 512, 768)
 DEMO_LAYERS = (2, 4)
 DEMO_HIDDEN = (384, 768)  # MiniLM's and MPNet's widths: real encoders on both axes with no hub
 _common = dict(
-    fixed={"model.bert.name": ""}, defaults=MULTI30K_TESTS, protocol=WARM_START, budget=STAGE, budgets=STAGE_BUDGETS,
+    fixed={"model.bert.name": ""}, defaults={**MULTI30K_TESTS, **FUSION_DROPOUT}, protocol=WARM_START, budget=STAGE,
+    budgets=STAGE_BUDGETS,
     plot=Heatmap(rows="model.bert.layers", cols="model.bert.hidden"),
     citation="Zhang et al. 2020, BERT-JAM, Table 6 / Fig. 3",
 )

@@ -2,12 +2,12 @@
 through only its BERT-attention or only its encoder-attention branch instead of their average."""
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
-from search_spaces.protocols import MINILM, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import FUSION_DROPOUT, MINILM, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "drop_net"
 MODEL = "bert_fused"
 KEY = "model.p_net"
-DEFAULTS = {**MINILM, **MULTI30K_TESTS}
+DEFAULTS = {**MINILM, **MULTI30K_TESTS, **FUSION_DROPOUT}
 
 SPACES = {
     "grid": SearchSpace(

@@ -10,12 +10,12 @@ about 0, 0.002, 0.03, 0.10 and 0.24 for θ = 0.01 … 0.05 (``tests/test_mask_fu
 """
 
 from nmtcore.sweep.space import Curve, SearchSpace, grid, steps, uniform
-from search_spaces.protocols import MINILM, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
+from search_spaces.protocols import FUSION_DROPOUT, MINILM, MULTI30K_TESTS, STAGE, STAGE_BUDGETS, WARM_START
 
 STUDY = "mask_threshold"
 MODEL = "mask_fusion"
 KEY = "model.mask_threshold"
-DEFAULTS = {**MINILM, **MULTI30K_TESTS}
+DEFAULTS = {**MINILM, **MULTI30K_TESTS, **FUSION_DROPOUT}
 MASKED = ("valid_masked_fraction",)  # the report's column beside BLEU: what each θ masked
 
 SPACES = {

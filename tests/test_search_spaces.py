@@ -264,6 +264,43 @@ def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone
     assert both.train.max_epochs == 1 and both_baseline.train.max_epochs == 1
 
 
+FUSION_STUDIES = ("bert_size_grid:demo", "bert_benefit:bert_fused", "drop_net:grid", "mask_threshold:paper",
+                  "ablations:mask_fusion", "ablations:bert_jam")
+
+
+def test_the_fusion_studies_train_at_the_papers_dropout_and_share_one_baseline(tmp_path):
+    """The studies of models that fuse BERT into the Transformer train at their papers' dropout 0.3, the shared
+    baseline and the control too (the preset's 0.1 is the peer benchmark's); the warm-starting ones among them
+    share one baseline; ``--set model.dropout=0.1`` gives back the runs made before, baseline included; the
+    PLM-sponsored and document-context studies keep the preset's 0.1, as their papers train."""
+    from argparse import Namespace
+
+    from nmtcore.cli.sweep import base_experiment
+    from nmtcore.sweep.baseline import weight_config
+    from nmtcore.sweep.plan import trial_config
+
+    def made(name, *sets):
+        return base_experiment(search_spaces.get_space(name), Namespace(
+            smoke_test=False, data_dir=str(tmp_path), config=None, preset="multi30k_small", set=list(sets),
+            arms_set=[]))[:2]
+
+    baselines = set()
+    for name in FUSION_STUDIES:
+        space = search_spaces.get_space(name)
+        base, baseline = made(name)
+        control = next(c for c in space.cells() if c.control)
+        assert base.model.dropout == 0.3, name
+        assert trial_config(base, control.overrides, "/tmp/c").model.dropout == 0.3, name
+        if space.protocol.warm_start:
+            assert baseline.model.dropout == 0.3, name
+            baselines.add(repr(sorted(weight_config(baseline).items())))
+            old_base, old_baseline = made(name, "model.dropout=0.1")
+            assert old_base.model.dropout == 0.1 and old_baseline.model.dropout == 0.1, name
+    assert len(baselines) == 1
+    for name in ("ablations:plm_sponsored_loss", "ablations:doc_context_type"):
+        assert made(name)[0].model.dropout == preset("multi30k_small").model.dropout == 0.1, name
+
+
 def test_a_key_only_the_arms_model_has_is_set_on_the_arms_alone(tmp_path):
     """PLM-sponsored's target BERT exists in its arms' model, not in the Transformer the study's base config (the
     control's) is: ``--set model.tgt_bert.…`` reaches every arm (after the arm's own bundle) and not the control,
