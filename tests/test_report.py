@@ -25,18 +25,19 @@ def hyps(quality: float, seed: int) -> list[str]:
 
 
 def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None,
-              stopped_by="patience", diagnostics=None, nll=None):
+              stopped_by="patience", diagnostics=None, nll=None, params=None):
     """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
     ``curves``: (validation losses, validation BLEUs) per epoch instead of the default three epochs; ``stopped_by``
     the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures; ``nll``: {epoch:
-    (training NLL, validation NLL)}, logged as the trainer does (either may be None: not logged that epoch)."""
+    (training NLL, validation NLL)}, logged as the trainer does (either may be None: not logged that epoch);
+    ``params``: more config parameters to log."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
             "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
             lifecycle.ARM_TAG: label, lifecycle.CONTROL_TAG: str(control).lower()}
     tags.update({f"varied.{k}": v for k, v in (values or {}).items()})
     run = parent.child(run_name=f"{label} seed {seed}", tags=tags)
-    run.log_params({"data.tgt_lang": LANG, "model.bert.name": "" if control else "minilm"})
+    run.log_params({"data.tgt_lang": LANG, "model.bert.name": "" if control else "minilm", **(params or {})})
     h = quality if isinstance(quality, list) else hyps(quality, seed)
     from nmtcore.bleu import corpus_bleu, corpus_chrf
 
@@ -662,16 +663,17 @@ def test_a_sweep_stopped_part_way_says_where_each_unfinished_trial_stands(tmp_pa
     assert "Not finished yet" not in report.render_markdown(results.build_report("done", finished, n_bootstrap=100))
 
 
-def nll_sweep(tmp_path, name: str, arm: str, arm_nll: dict) -> tuple[str, tracking.Tracker]:
+def nll_sweep(tmp_path, name: str, arm: str, arm_nll: dict, params=(None, None)) -> tuple[str, tracking.Tracker]:
     """A control and one arm, both with training and validation NLLs per epoch (the control's fixed, the arm's
-    ``arm_nll``); returns the store and the parent run, still open."""
+    ``arm_nll``), with ``params`` (the control's, the arm's) logged besides; returns the store and the parent run,
+    still open."""
     uri = f"sqlite:///{tmp_path / (name + '.db')}"
     parent = tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
         lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
         "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
     add_trial(parent, tmp_path, 1, 0, "control", 0.4, control=True, curves=FLAT,
-              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)})
-    add_trial(parent, tmp_path, 1, 1, arm, 0.5, {"arm": arm}, curves=FLAT, nll=arm_nll)
+              nll={1: (3.0, 2.9), 2: (2.0, 2.7), 3: (1.8, 2.75)}, params=params[0])
+    add_trial(parent, tmp_path, 1, 1, arm, 0.5, {"arm": arm}, curves=FLAT, nll=arm_nll, params=params[1])
     return uri, parent
 
 
@@ -697,6 +699,27 @@ def test_the_report_says_how_each_arm_fit_its_training_data_against_validation(t
             "| +0.158 |") in md
     assert json.loads(json.dumps(report._to_json(rep)))["fit"]["bert_jam"][0]["train_at_best"] == 1.5
     assert "Phase by phase" not in md  # no run trained in phases
+    assert "†" not in md  # trained under the same dropout (none logged here: nothing to tell apart)
+
+
+def test_equal_fit_is_flagged_where_an_arm_trained_under_other_dropout(tmp_path):
+    """The training NLL is measured in train mode: an arm trained under other dropout than the control (the frozen
+    BERT's dropout on, say) is not at equal fit where the two training NLLs meet, and the table says so beside the
+    Δ and names the setting. A dropout only the arm's model has (mask fusion's fusion attention) is part of the
+    model, not a setting: not flagged; the same value logged in another form (0.3, 0.30) is the same."""
+    nll = {1: (2.8, 2.95), 2: (1.5, 2.8)}
+    control = {"model.dropout": "0.3", "model.bert.dropout_when_frozen": "False"}
+    same = {"model.dropout": "0.30", "model.bert.dropout_when_frozen": "False", "model.fusion_attention_dropout": "0.2"}
+    uri, parent = nll_sweep(tmp_path, "alike", "mask_fusion", nll, params=(control, same))
+    parent.end()
+    assert "†" not in report.render_markdown(results.build_report("alike", uri, n_bootstrap=0))
+    other = {**same, "model.bert.dropout_when_frozen": "True"}
+    uri, parent = nll_sweep(tmp_path, "other", "bert_dropout", nll, params=(control, other))
+    parent.end()
+    md = report.render_markdown(results.build_report("other", uri, n_bootstrap=0))
+    assert "| 2.858 (epoch 1.6) | +0.158 † |" in md
+    assert ("† Trained under other dropout than the control (bert_dropout: model.bert.dropout_when_frozen True "
+            "against False)") in md
 
 
 def test_fit_at_equal_training_nll_and_phase_by_phase():

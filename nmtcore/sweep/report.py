@@ -370,6 +370,7 @@ def fit_table(report: SweepReport) -> list[str]:
     def m(g: Any, attr: str) -> float | None:
         return mean([getattr(f, attr) for f in g.fit])
 
+    noisier = {g.label: other_dropout(g, ref) for g in arms} if ref is not None else {}
     for g in arms:
         cells = [_f(m(g, "last_epoch"), 1), _f(m(g, "best_epoch"), 1), _f(m(g, "train_at_best"), 3),
                  _f(m(g, "valid_at_best"), 3), _f(m(g, "gap_at_best"), 3)]
@@ -379,8 +380,36 @@ def fit_table(report: SweepReport) -> list[str]:
         cells += [_f(m(g, "train_last"), 3), _f(m(g, "valid_last"), 3)]
         if ref is not None:
             cells += _equal_fit_cells(g, ref, m(ref, "train_at_best"), m(ref, "valid_at_best"))
+            if noisier[g.label] and cells[-1] != "—":
+                cells[-1] += " †"
         lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
+    marked = {label: keys for label, keys in noisier.items() if keys}
+    if marked:
+        lines += ["", f"† Trained under other dropout than the {ref.label} ("
+                  + "; ".join(f"{label}: {', '.join(keys)}" for label, keys in marked.items())
+                  + "): its training NLL is measured through other noise, so at equal training NLL the two have not"
+                  " learnt equally much, and the Δ there does not compare them."]
     return lines + [""] + phase_fit_table(report, ref)
+
+
+def other_dropout(g: Any, ref: Any) -> list[str]:
+    """The dropout settings (config keys naming dropout, in both runs' parameters) in which ``g``'s first run
+    differs from ``ref``'s, as ``key arm-value against ref-value``: the training NLL is measured in train mode, so
+    two runs compare at equal training NLL only under the same dropout. A key only one model has (mask fusion's
+    fusion attention) is that model's own part, not a setting of the run."""
+    if g is ref or not g.runs or not ref.runs:
+        return []
+    mine, theirs = g.runs[0].params, ref.runs[0].params
+    return [f"{key} {mine[key]} against {theirs[key]}" for key in sorted(set(mine) & set(theirs))
+            if "dropout" in key and _setting(mine[key]) != _setting(theirs[key])]
+
+
+def _setting(value: str) -> Any:
+    """A logged parameter's value, as a number where it is one (MLflow logs ``0.3`` and ``0.30`` alike as text)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _equal_fit_cells(g: Any, ref: Any, level: float, ref_valid: float) -> list[str]:
