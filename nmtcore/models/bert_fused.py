@@ -15,7 +15,7 @@ procedure.
 
 Drop-net (Eq. 3, :class:`~nmtcore.nn.DropNet`), probability ``model.p_net``: per layer and per training
 forward, draw U ~ U(0, 1); ``U < p/2`` → the first branch only, ``U > 1 − p/2`` → the second only, else the
-average; at inference the expectation, i.e. the average (Eq. 1). Two deliberate departures from the
+average; at inference the expectation, i.e. the average (Eq. 1). Deliberate departures from the
 original code:
 
 - with drop-net off (``p_net = 0``) the original code *summed* the two branches; we average, as Eq. 1;
@@ -31,6 +31,10 @@ original code:
   weight, not the branch), as the original; off by default until the drop-net study has measured it. Under
   CUDA graphs (``train.cuda_graphs``) both branches run, weighed by the draw, and the switched-off one still
   gets no Adam step (:class:`~nmtcore.nn.drop_net.PlannedDraws`).
+- the authors' runs train at 5e-4 after 4k warm-up updates with ``--weight-decay 0.0001``; the studies run the
+  platform's Multi30k schedule (1e-3 after 400, ``search_spaces/protocols.py``) and no weight decay. Their
+  fairseq Adam decays decoupled, a factor 1 − 10⁻⁴·lr an update, about 0.05% of a weight over a 5k-update run
+  at lr 1e-3; ``train.weight_decay`` is torch Adam's L2 term, which would not reproduce it.
 
 BERT is frozen unless ``model.bert.freeze=false`` (fine-tuning); a frozen BERT's features come from the
 frozen-feature cache (:mod:`nmtcore.bert`).
