@@ -47,7 +47,6 @@ DEFAULTS = {**MINILM, **MULTI30K_TESTS}
 # BERT-JAM's M0 fit the training set better than its control and validated worse, docs/reproduction.md, row 4). In
 # the defaults, so the control trains at it too and a resumed sweep keeps what it started with.
 FUSION_DEFAULTS = {**DEFAULTS, **FUSION_DROPOUT}
-BERT_JAM_DEFAULTS = FUSION_DEFAULTS
 # BERT-JAM's three phases on a CPU budget (see the module docstring). The smoke-sized version is the study's
 # default (smoke tests keep defaults, not budgets); real runs take the budget, which overrides it.
 BERT_JAM_SMOKE = {"train.phase_scale": 0.05, "train.max_epochs": 4, "train.average_last": 2, "train.patience": 1}
@@ -83,7 +82,7 @@ def m0_follow_up(name: str, arm: str, overrides: dict[str, object], citation: st
     ``overrides`` as one arm, against the control under the ``bert_jam`` study's protocol, each prediction
     (``bounds``: measure, lowest value that holds) written before any run."""
     return SearchSpace(
-        STUDY, name, "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE},
+        STUDY, name, "bert_jam", defaults={**FUSION_DEFAULTS, **BERT_JAM_SMOKE},
         budget=BERT_JAM_CONVERGED, budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
         arms={arm: {"model.name": "bert_jam", **overrides}},
         citation=f"Zhang et al. 2020, BERT-JAM, Table 7's M0 {citation} (not in the paper)", description=description,
@@ -95,7 +94,7 @@ SPACES = {
     # BERT-JAM M0–M3 (Table 7): each ablation is a registered model whose config is defined by its
     # fields (M1 glu=weighted_sum, M2 bert_layers=last without the GLU phase, M3 no warm-up phase).
     "bert_jam": SearchSpace(
-        STUDY, "bert_jam", "bert_jam", defaults={**BERT_JAM_DEFAULTS, **BERT_JAM_SMOKE}, budget=BERT_JAM_CONVERGED,
+        STUDY, "bert_jam", "bert_jam", defaults={**FUSION_DEFAULTS, **BERT_JAM_SMOKE}, budget=BERT_JAM_CONVERGED,
         budgets=BERT_JAM_BUDGETS, protocol=FROM_SCRATCH,
         arms={
             "M0_full": {"model.name": "bert_jam"},

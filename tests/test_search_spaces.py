@@ -149,14 +149,20 @@ def test_shrunk_spaces_for_smoke_tests():
 
 
 # ---------------------------------------------------------------------- the papers' protocols in the studies
-def _study_base(space, smoke: bool, tmp_path):
-    """The arms' base experiment exactly as the entry point makes it (``nmtcore.cli.sweep.base_experiment``)."""
+def _experiment(space, tmp_path, sets=(), arms=(), smoke: bool = False):
+    """What the entry point makes of ``space`` with ``--set sets --arms-set arms`` (the arms' base experiment, the
+    baseline's, ...: ``nmtcore.cli.sweep.base_experiment``)."""
     from argparse import Namespace
 
     from nmtcore.cli.sweep import base_experiment
 
-    args = Namespace(smoke_test=smoke, data_dir=str(tmp_path), config=None, preset="multi30k_small", set=[])
-    return base_experiment(space, args)[0]
+    return base_experiment(space, Namespace(smoke_test=smoke, data_dir=str(tmp_path), config=None,
+                                            preset="multi30k_small", set=list(sets), arms_set=list(arms)))
+
+
+def _study_base(space, smoke: bool, tmp_path):
+    """The arms' base experiment exactly as the entry point makes it."""
+    return _experiment(space, tmp_path, smoke=smoke)[0]
 
 
 @pytest.mark.parametrize("smoke", [False, True])
@@ -244,17 +250,12 @@ def test_the_plm_studies_train_the_papers_alpha_and_their_controls_train_none():
 def test_arms_set_shortens_the_second_stage_and_leaves_the_shared_baseline_alone(tmp_path):
     """``--arms-set`` reaches the arms' base config only: the baseline (and so its key: the cached one is
     reused) is the same as without it; ``--set`` reaches both."""
-    from argparse import Namespace
-
-    from nmtcore.cli.sweep import base_experiment
     from nmtcore.sweep.baseline import baseline_key
 
     space = search_spaces.get_space("mask_threshold:paper")
 
     def made(set_=(), arms=()):
-        args = Namespace(smoke_test=False, data_dir=str(tmp_path), config=None, preset="multi30k_small",
-                         set=list(set_), arms_set=list(arms))
-        return base_experiment(space, args)[:2]
+        return _experiment(space, tmp_path, set_, arms)[:2]
 
     base, baseline = made()
     short, short_baseline = made(arms=["train.max_epochs=1"])
@@ -273,16 +274,11 @@ def test_the_fusion_studies_train_at_the_papers_dropout_and_share_one_baseline(t
     baseline and the control too (the preset's 0.1 is the peer benchmark's); the warm-starting ones among them
     share one baseline; ``--set model.dropout=0.1`` gives back the runs made before, baseline included; the
     PLM-sponsored and document-context studies keep the preset's 0.1, as their papers train."""
-    from argparse import Namespace
-
-    from nmtcore.cli.sweep import base_experiment
     from nmtcore.sweep.baseline import weight_config
     from nmtcore.sweep.plan import trial_config
 
     def made(name, *sets):
-        return base_experiment(search_spaces.get_space(name), Namespace(
-            smoke_test=False, data_dir=str(tmp_path), config=None, preset="multi30k_small", set=list(sets),
-            arms_set=[]))[:2]
+        return _experiment(search_spaces.get_space(name), tmp_path, sets)[:2]
 
     baselines = set()
     for name in FUSION_STUDIES:
@@ -305,17 +301,13 @@ def test_a_key_only_the_arms_model_has_is_set_on_the_arms_alone(tmp_path):
     """PLM-sponsored's target BERT exists in its arms' model, not in the Transformer the study's base config (the
     control's) is: ``--set model.tgt_bert.…`` reaches every arm (after the arm's own bundle) and not the control,
     and the report's protocol line says so; a key no model has is still an unknown key."""
-    from argparse import Namespace
-
-    from nmtcore.cli.sweep import base_experiment
     from nmtcore.sweep.driver import describe_protocol
     from nmtcore.sweep.plan import trial_config, validate_space
 
     space = search_spaces.get_space("ablations:plm_sponsored_loss")
 
     def made(*sets, arms=()):
-        return base_experiment(space, Namespace(smoke_test=False, data_dir=str(tmp_path), config=None,
-                                                preset="multi30k_small", set=list(sets), arms_set=list(arms)))
+        return _experiment(space, tmp_path, sets, arms)
 
     plain = made()[0]
     assert plain.model.name == "transformer" and made()[3] is space
@@ -344,15 +336,11 @@ def test_a_key_only_the_arms_model_has_is_set_on_the_arms_alone(tmp_path):
 def test_a_key_of_some_arms_model_only_is_refused_and_the_users_value_wins_over_an_arms(tmp_path):
     """``--set`` sets a key of the arms' model on every arm or on none: one that some arms' model has and the
     others' lacks is refused naming both; where an arm sets the key itself, the user's value wins."""
-    from argparse import Namespace
-
-    from nmtcore.cli.sweep import base_experiment
     from nmtcore.sweep.plan import trial_config
     from nmtcore.sweep.space import SearchSpace, SpaceError, grid
 
     def made(space, *sets):
-        return base_experiment(space, Namespace(smoke_test=False, data_dir=str(tmp_path), config=None,
-                                                preset="multi30k_small", set=list(sets), arms_set=[]))
+        return _experiment(space, tmp_path, sets)
 
     mixed = SearchSpace("t", "mixed", None, arms={"plm": {"model.name": "plm_sponsored"},
                                                   "fused": {"model.name": "bert_fused"}})

@@ -52,6 +52,7 @@ from nmtcore.sweep.results import (
     build_report,
     fmt,
     mean,
+    other_dropout,
     short,
 )
 
@@ -390,26 +391,6 @@ def fit_table(report: SweepReport) -> list[str]:
                   + "): its training NLL is measured through other noise, so at equal training NLL the two have not"
                   " learnt equally much, and the Δ there does not compare them."]
     return lines + [""] + phase_fit_table(report, ref)
-
-
-def other_dropout(g: Any, ref: Any) -> list[str]:
-    """The dropout settings (config keys naming dropout, in both runs' parameters) in which ``g``'s first run
-    differs from ``ref``'s, as ``key arm-value against ref-value``: the training NLL is measured in train mode, so
-    two runs compare at equal training NLL only under the same dropout. A key only one model has (mask fusion's
-    fusion attention) is that model's own part, not a setting of the run."""
-    if g is ref or not g.runs or not ref.runs:
-        return []
-    mine, theirs = g.runs[0].params, ref.runs[0].params
-    return [f"{key} {mine[key]} against {theirs[key]}" for key in sorted(set(mine) & set(theirs))
-            if "dropout" in key and _setting(mine[key]) != _setting(theirs[key])]
-
-
-def _setting(value: str) -> Any:
-    """A logged parameter's value, as a number where it is one (MLflow logs ``0.3`` and ``0.30`` alike as text)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return value
 
 
 def _equal_fit_cells(g: Any, ref: Any, level: float, ref_valid: float) -> list[str]:

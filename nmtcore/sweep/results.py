@@ -725,6 +725,18 @@ def _trial_index(run: tracking.RunRecord) -> int:
         return 10**9
 
 
+def other_dropout(g: Group, ref: Group) -> list[str]:
+    """The dropout settings (config keys naming dropout, in both runs' parameters) in which ``g``'s first run
+    differs from ``ref``'s, as ``key arm-value against ref-value``: the training NLL is measured in train mode, so
+    two runs compare at equal training NLL only under the same dropout. A key only one model has (mask fusion's
+    fusion attention) is that model's own part, not a setting of the run."""
+    if g is ref or not g.runs or not ref.runs:
+        return []
+    mine, theirs = g.runs[0].params, ref.runs[0].params
+    return [f"{key} {mine[key]} against {theirs[key]}" for key in sorted(set(mine) & set(theirs))
+            if "dropout" in key and not _same(_parse(mine[key]), _parse(theirs[key]))]
+
+
 def _parse(text: str) -> Any:
     try:
         return yaml.safe_load(text) if text != "" else ""
