@@ -33,8 +33,8 @@ original code:
   gets no Adam step (:class:`~nmtcore.nn.drop_net.PlannedDraws`).
 - the authors' runs train at 5e-4 after 4k warm-up updates with ``--weight-decay 0.0001``; the studies run the
   platform's Multi30k schedule (1e-3 after 400, ``search_spaces/protocols.py``) and no weight decay. Their
-  fairseq Adam decays decoupled, a factor 1 − 10⁻⁴·lr an update, about 0.05% of a weight over a 5k-update run
-  at lr 1e-3; ``train.weight_decay`` is torch Adam's L2 term, which would not reproduce it.
+  fairseq Adam decays decoupled, a factor 1 − 10⁻⁴·lr an update, negligible over a Multi30k run;
+  ``train.weight_decay`` is torch Adam's L2 term, which would not reproduce it.
 
 BERT is frozen unless ``model.bert.freeze=false`` (fine-tuning); a frozen BERT's features come from the
 frozen-feature cache (:mod:`nmtcore.bert`).

@@ -55,8 +55,8 @@ a reason:
   platform's Multi30k setting, 1e-3 after 400, model and control alike: 4k warm-up updates would be most of a
   Multi30k run. Phase 3 therefore fine-tunes BERT at a higher rate than the authors' schedule gives. The dropout,
   the paper's 0.3, is the study's (``search_spaces/protocols.py``), not the preset's 0.1. The authors' runs also
-  pass ``--weight-decay 0.0001`` (fairseq's decoupled decay: about 0.05% of a weight over a 5k-update run at lr
-  1e-3); the studies train without (``train.weight_decay`` is torch Adam's L2 term, not that decay).
+  pass ``--weight-decay 0.0001`` (fairseq's decoupled decay, a factor 1 − 10⁻⁴·lr an update: negligible over a
+  Multi30k run); the studies train without (``train.weight_decay`` is torch Adam's L2 term, not that decay).
 - **Initial scale of the joint attention.** The primary projections are one fused matrix initialised as the
   platform's self-attention (Xavier, gain 2^-½), the BERT projections with gain 1 (2^-½ when BERT's width is the
   model's); the authors initialise every projection with gain 1, so here BERT's keys and values start larger
