@@ -546,3 +546,63 @@ def test_each_phase_is_probed_at_its_own_speed_and_a_run_s_epochs_weigh_them(tmp
     assert cost.phase_weights_left([(23, 5, 11)], (29, 11), 3) == [0.0, 1.0, 11.0]
     assert cost.phase_weights_left([(23, 5, 11)], (29, 11, 12), 3) == [0.0, 0.0, 1.0]
     assert cost.phase_weights_left([(23, 5, 11)], (29, 11, 12, 1), 3) == []
+
+
+class _Steps:
+    """A trainer whose first update on each batch is slow (a new shape's first kernels), later ones fast; with
+    ``spin`` it computes while it waits (its CPU busy), else it sleeps (its CPU idle, as when other work has it)."""
+
+    def __init__(self, spin: bool):
+        self.seen: set[int] = set()
+        self.spin = spin
+
+    def train_step(self, group):
+        import time
+
+        wait = 0.01 if id(group) in self.seen else 0.1
+        self.seen.add(id(group))
+        end = time.perf_counter() + wait
+        if not self.spin:
+            time.sleep(wait)
+        while time.perf_counter() < end:
+            pass
+
+
+def test_the_probe_times_updates_on_shapes_it_has_run_and_the_cpu_they_had():
+    """An update on a batch shape the process has not run pays for its first kernels, which an epoch pays once
+    per shape: the probe times a second pass over its batches, not the first. The share of its cores the timed
+    pass had says whether other work shared the machine."""
+    from types import SimpleNamespace
+
+    from nmtcore.sweep.cost import _train_speed
+
+    groups = [[SimpleNamespace(n_tgt_tokens=10)] for _ in range(4)]
+    tps, busy = _train_speed(_Steps(spin=True), groups, threads=1)
+    assert tps > 3 * 10 / 0.1  # updates of 10 tokens at 10 ms each, not at the first pass's 100 ms
+    _, idle = _train_speed(_Steps(spin=False), groups, threads=1)
+    assert idle < 0.2 and busy > 3 * idle  # (how near 1 the busy share comes depends on what else runs here)
+
+
+def test_the_estimate_names_the_load_and_says_when_its_probes_shared_the_machine():
+    base = RunCost("baseline", 10, 60.0, 5.0, "the budget")
+    quiet = dataclasses.replace(estimate([], base, False, [], 1, "CPU, 2 cores"), cpu_share=0.95, load=0.12)
+    assert quiet.lines()[0] == "estimated cost on this machine (CPU, 2 cores, load 0.12):"
+    busy = dataclasses.replace(quiet, cpu_share=0.45, load=2.9)
+    assert "load 2.90" in busy.lines()[0] and "a probe had 45% of its cores" in busy.lines()[0]
+    assert len(busy.lines()) == len(quiet.lines())  # the same phases, one line each
+    assert busy.to_dict()["cpu_share"] == 0.45
+
+
+def test_the_probe_decodes_as_long_as_a_translation_runs_not_to_the_length_cap(tmp_path, monkeypatch):
+    """A barely trained model rarely emits EOS, so the probe's greedy decode is capped at each source's length
+    (about where a trained model stops), not at the length cap that a validation decode never reaches."""
+    from nmtcore.data import prepare_data
+    from nmtcore.engine.trainer import Trainer
+
+    cfg = tiny_experiment(tmp_path)
+    seen, translate = [], Trainer.translate
+    monkeypatch.setattr(Trainer, "translate", lambda self, split, dcfg, *a, **kw: seen.append(dcfg) or translate(
+        self, split, dcfg, *a, **kw))
+    speed = probe(cfg, prepare_data(cfg.data), threads=1)
+    assert speed.decode_sentences_per_s > 0 and 0 < speed.cpu_share <= 1
+    assert seen and all((d.beam, d.max_len_a, d.max_len_b) == (1, 1.0, 1) for d in seen)

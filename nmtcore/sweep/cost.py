@@ -47,9 +47,14 @@ from nmtcore.data import PreparedData
 if TYPE_CHECKING:
     from nmtcore import tracking
 
-PROBE_WARMUP = 1  # updates not timed (first-call allocations)
-PROBE_STEPS = 3  # updates timed
-PROBE_DECODE = 48  # validation sentences decoded greedily
+# Updates timed. The probe runs them twice and times the second pass: an update on a batch shape the process has
+# not run yet pays for its first kernels and allocations, which a real epoch pays once per shape, not per update.
+PROBE_STEPS = 4
+PROBE_DECODE = 48  # validation sentences decoded greedily (after PROBE_DECODE_WARMUP untimed)
+PROBE_DECODE_WARMUP = 8
+# Below this share of its cores (process CPU time over wall time x threads), a probe shared the machine with other
+# work: its speeds read low and the estimate's times high, and the estimate says so.
+BUSY_SHARE = 0.8
 PROBE_OTHER_SENTENCES = 48  # every split but train is cut to this for the probe's BERT features
 FEATURE_PROBE_SENTENCES = 1024  # training sentences whose BERT features time a feature build
 # Epochs at which the patience rule stopped the platform's committed converged runs (median per kind; the runs
@@ -97,6 +102,8 @@ class Speed:
     # convergence or open-ended). Empty without one.
     phase_tokens_per_s: tuple[float, ...] = ()
     phase_epochs: tuple[int, ...] = ()
+    # The share of its ``threads`` cores the timed training updates had (process CPU time / (wall x threads)).
+    cpu_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -149,18 +156,23 @@ class Estimate:
     machine: str
     runs: tuple[tuple[str, float], ...] = ()  # (the trial's config key, its estimated seconds), in grid order
     epochs_s: tuple[tuple[str, float], ...] = ()  # (the trial's config key, one epoch's estimated seconds)
+    cpu_share: float = 1.0  # the lowest share of its cores a probe had (:attr:`Speed.cpu_share`)
+    load: float | None = None  # the machine's 1-minute load average when the probes ended
 
     @property
     def seconds(self) -> float:
         return sum(p.seconds for p in self.phases)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"machine": self.machine, "seconds": self.seconds,
+        return {"machine": self.machine, "seconds": self.seconds, "cpu_share": self.cpu_share, "load": self.load,
                 "phases": [dataclasses.asdict(p) for p in self.phases],
                 "runs": [{"config_key": k, "seconds": v} for k, v in self.runs]}
 
     def lines(self) -> list[str]:
-        out = [f"estimated cost on this machine ({self.machine}):"]
+        load = f", load {self.load:.2f}" if self.load is not None else ""
+        busy = (f"; other work shared the machine while it was measured (a probe had {self.cpu_share:.0%} of its "
+                f"cores), so these times read high" if self.cpu_share < BUSY_SHARE else "")
+        out = [f"estimated cost on this machine ({self.machine}{load}{busy}):"]
         out += [f"  {p.name + ':':<14} {duration(p.seconds):>9}  {p.detail}" for p in self.phases]
         out.append(f"  {'total:':<14} {duration(self.seconds):>9}")
         return out
@@ -430,7 +442,7 @@ def probe_data(data: PreparedData, cfg: ExperimentConfig, cache_dir: Path) -> Pr
     """A small copy of ``data`` for a probe: enough training pairs for the probe's updates, a few sentences of
     every other split, and its own feature cache under ``cache_dir`` (the real cache is left alone)."""
     mean = max(float(data.train.tgt_lens.mean()) + 1, 1.0)
-    need = math.ceil((PROBE_WARMUP + PROBE_STEPS + 1) * cfg.data.max_tokens * cfg.train.update_freq / mean * 1.5)
+    need = math.ceil((PROBE_STEPS + 1) * cfg.data.max_tokens * cfg.train.update_freq / mean * 1.5)
     splits = {name: split.select(range(min(len(split), need if name == cfg.data.train_split
                                            else PROBE_OTHER_SENTENCES)))
               for name, split in data.splits.items()}
@@ -439,11 +451,15 @@ def probe_data(data: PreparedData, cfg: ExperimentConfig, cache_dir: Path) -> Pr
 
 def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
     """Measure ``cfg``'s speeds here (:class:`Speed`): its trainer built on a small copy of ``data``
-    (:func:`probe_data`), ``PROBE_STEPS`` updates timed after ``PROBE_WARMUP``, then ``PROBE_DECODE`` validation
-    sentences decoded greedily. A frozen BERT's cached features are random values of their shape there
-    (:func:`~nmtcore.bert.layer.synthetic_features`: the model reads them as it reads real ones, and the probe
-    does not run BERT over its sentences; what building the real ones costs, :func:`feature_rate` times).
-    ``cfg``'s BERT must exist (:func:`nmtcore.bert.ensure_bert`). Restores torch's thread count."""
+    (:func:`probe_data`), ``PROBE_STEPS`` updates run once untimed and again timed (:func:`_train_speed`), then
+    ``PROBE_DECODE`` validation sentences decoded greedily after a few untimed. The probe's model is barely
+    trained: it rarely emits EOS, so its greedy decode would run every sentence to the length cap (``max_len_a`` x
+    source + ``max_len_b``) where a trained model stops near the reference's length; the probe caps each sentence
+    at its source's length instead, as long as a translation of it runs. A frozen BERT's cached features are
+    random values of their shape there (:func:`~nmtcore.bert.layer.synthetic_features`: the model reads them as it
+    reads real ones, and the probe does not run BERT over its sentences; what building the real ones costs,
+    :func:`feature_rate` times). ``cfg``'s BERT must exist (:func:`nmtcore.bert.ensure_bert`). Restores torch's
+    thread count."""
     from nmtcore.bert.layer import synthetic_features
     from nmtcore.engine import build_trainer
 
@@ -455,54 +471,59 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
                                      "train.init_from": "", "train.max_updates": 0})
             with synthetic_features(tmp):
                 trainer = build_trainer(pc, small)
+            step = max(1, pc.train.update_freq)
             batches: list[Any] = []
             for epoch in range(1, 100):
                 batches += list(trainer.train_batches(epoch=epoch))
-                if len(batches) >= PROBE_WARMUP + PROBE_STEPS:
+                if len(batches) >= PROBE_STEPS * step:
                     break
-            step = max(1, pc.train.update_freq)
-            groups = [batches[i:i + step] for i in range(0, len(batches), step)][:PROBE_WARMUP + PROBE_STEPS]
-            first = _train_speed(trainer, groups)
+            groups = [batches[i:i + step] for i in range(0, len(batches), step)][:PROBE_STEPS]
+            first, share = _train_speed(trainer, groups, threads)
             valid = small.splits[pc.data.valid_split]
-            greedy = DecodeConfig(**{**pc.decode.__dict__, "beam": 1, "nbest": 1})
+            greedy = DecodeConfig(**{**pc.decode.__dict__, "beam": 1, "nbest": 1, "max_len_a": 1.0, "max_len_b": 1})
+            trainer.translate(valid.select(range(min(len(valid), PROBE_DECODE_WARMUP))), greedy)
             t0 = time.perf_counter()
             n = len(trainer.translate(valid.select(range(min(len(valid), PROBE_DECODE))), greedy))
             decode_s = time.perf_counter() - t0
-            phases = _phase_speeds(trainer, groups, first)
+            phases, shares = _phase_speeds(trainer, groups, first, threads)
     finally:
         torch.set_num_threads(before)
     return Speed(first, n / decode_s, threads, phase_tokens_per_s=phases,
-                 phase_epochs=tuple(p.epochs for p in trainer.phases))
+                 phase_epochs=tuple(p.epochs for p in trainer.phases), cpu_share=min([share, *shares]))
 
 
-def _phase_speeds(trainer: Any, groups: list[list[Any]], first: float) -> tuple[float, ...]:
-    """Each phase's training speed on the probe's batches: the first phase's is ``first``; a phase that trains
-    the parameter groups an earlier one trains has that one's; any other is timed as the first was (entered,
-    ``PROBE_WARMUP`` updates, then ``PROBE_STEPS`` timed): BERT-JAM's fine-tuning phase runs BERT's backward pass
-    and reads no cached features, so the first phase's speed does not stand for it."""
+def _phase_speeds(trainer: Any, groups: list[list[Any]], first: float,
+                  threads: int) -> tuple[tuple[float, ...], list[float]]:
+    """Each phase's training speed on the probe's batches, and the CPU share of each phase timed here: the first
+    phase's speed is ``first``; a phase that trains the parameter groups an earlier one trains has that one's;
+    any other is timed as the first was (entered, then :func:`_train_speed`): BERT-JAM's fine-tuning phase runs
+    BERT's backward pass and reads no cached features, so the first phase's speed does not stand for it."""
     speeds: dict[frozenset[str], float] = {}
     out: list[float] = []
+    shares: list[float] = []
     for i, phase in enumerate(trainer.phases):
         groups_trained = frozenset(phase.trainable)
         if i == 0:
             speeds[groups_trained] = first
         elif groups_trained not in speeds:
             trainer.enter_phase(i)
-            speeds[groups_trained] = _train_speed(trainer, groups)
+            speeds[groups_trained], share = _train_speed(trainer, groups, threads)
+            shares.append(share)
         out.append(speeds[groups_trained])
-    return tuple(out)
+    return tuple(out), shares
 
 
-def _train_speed(trainer: Any, groups: list[list[Any]]) -> float:
-    """Target tokens per second of ``trainer``'s updates over ``groups`` (one update each): the first
-    ``PROBE_WARMUP`` untimed, the rest timed."""
-    for g in groups[:PROBE_WARMUP]:
+def _train_speed(trainer: Any, groups: list[list[Any]], threads: int) -> tuple[float, float]:
+    """Target tokens per second of ``trainer``'s updates over ``groups`` (one update each), timed on a second pass
+    after an untimed first (see :data:`PROBE_STEPS`), and the share of ``threads`` cores the timed pass had."""
+    for g in groups:
         trainer.train_step(g)
-    tokens, t0 = 0, time.perf_counter()
-    for g in groups[PROBE_WARMUP:]:
+    tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
+    for g in groups:
         trainer.train_step(g)
         tokens += sum(b.n_tgt_tokens for b in g)
-    return tokens / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return tokens / wall, min(cpu / (wall * threads), 1.0)
 
 
 def machine_line() -> str:
@@ -714,15 +735,17 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
         done_epochs = checkpointed_epochs(root / bkey / "run")
         if not base_done:
             progress(f"dry run: probing the baseline at {int(cpus)} thread(s)")
-            speed = probe(ensure_bert(bcfg), data, int(cpus))
+            speed = speeds["baseline"] = probe(ensure_bert(bcfg), data, int(cpus))
             epochs, why = expected_epochs(bcfg, "baseline", settings.tracking_uri)
             base_cost = run_cost("baseline", epochs, why, speed, tokens, valid_n, test_n, bcfg.train.valid_bleu)
         else:
             base_cost = RunCost("baseline", 0, 0.0, 0.0, "in the store")
     if shared_s is not None:
         shared = [("done in", shared_s)]
-    return estimate(shared, base_cost, base_done, costs, slots, machine_line(), done_epochs, keys,
-                    copied=len(copied), finished=len(finished))
+    est = estimate(shared, base_cost, base_done, costs, slots, machine_line(), done_epochs, keys,
+                   copied=len(copied), finished=len(finished))
+    return dataclasses.replace(est, cpu_share=min((s.cpu_share for s in speeds.values()), default=1.0),
+                               load=os.getloadavg()[0])
 
 
 @dataclass(frozen=True)
