@@ -157,7 +157,7 @@ class Estimate:
     runs: tuple[tuple[str, float], ...] = ()  # (the trial's config key, its estimated seconds), in grid order
     epochs_s: tuple[tuple[str, float], ...] = ()  # (the trial's config key, one epoch's estimated seconds)
     cpu_share: float = 1.0  # the lowest share of its cores a probe had (:attr:`Speed.cpu_share`)
-    load: float | None = None  # the machine's 1-minute load average when the probes ended
+    load: float | None = None  # the machine's 1-minute load average before the probes
 
     @property
     def seconds(self) -> float:
@@ -620,6 +620,7 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
     warm = space.protocol is not None and space.protocol.warm_start  # the trials start from the shared baseline
     data = prepare_data(base.data)
     cpus = settings.num_cpus or os.cpu_count() or 1
+    load = os.getloadavg()[0]  # before the probes, whose own threads would count in it
     threads = max(1, int(settings.cpus_per_trial // settings.workers_per_trial))
     slots = max(1, int(cpus // settings.cpus_per_trial))
     if settings.max_concurrent:
@@ -729,23 +730,23 @@ def dry_run(space: Any, base: ExperimentConfig, settings: Any, baseline: Experim
                     *found, epochs, speeds[key], tokens, valid_n, cfg.train.valid_bleu, weights))
         costs.append(cost)
 
-    base_cost, base_done, done_epochs = None, False, 0
+    base_cost, base_done, done_epochs, base_speed = None, False, 0, None
     if bcfg is not None:
         base_done = stored is not None
         done_epochs = checkpointed_epochs(root / bkey / "run")
         if not base_done:
             progress(f"dry run: probing the baseline at {int(cpus)} thread(s)")
-            speed = speeds["baseline"] = probe(ensure_bert(bcfg), data, int(cpus))
+            base_speed = probe(ensure_bert(bcfg), data, int(cpus))
             epochs, why = expected_epochs(bcfg, "baseline", settings.tracking_uri)
-            base_cost = run_cost("baseline", epochs, why, speed, tokens, valid_n, test_n, bcfg.train.valid_bleu)
+            base_cost = run_cost("baseline", epochs, why, base_speed, tokens, valid_n, test_n, bcfg.train.valid_bleu)
         else:
             base_cost = RunCost("baseline", 0, 0.0, 0.0, "in the store")
     if shared_s is not None:
         shared = [("done in", shared_s)]
     est = estimate(shared, base_cost, base_done, costs, slots, machine_line(), done_epochs, keys,
                    copied=len(copied), finished=len(finished))
-    return dataclasses.replace(est, cpu_share=min((s.cpu_share for s in speeds.values()), default=1.0),
-                               load=os.getloadavg()[0])
+    probed = [*speeds.values(), *([base_speed] if base_speed else [])]
+    return dataclasses.replace(est, cpu_share=min((s.cpu_share for s in probed), default=1.0), load=load)
 
 
 @dataclass(frozen=True)
