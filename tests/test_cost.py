@@ -478,6 +478,11 @@ def test_the_platforms_measured_epochs_at_other_settings_are_a_guess(tmp_path):
     epochs, why = expected_epochs(control, "trial", uri, warm=False)
     assert (epochs, True) == at_03 and at_03[0] != MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0]
     assert "on multi30k at model.dropout=0.3 took" in why and "guess" not in why, why
+    # A second stage at 0.3 (the main job's arms) takes its own figure, not the guess from the runs at 0.1.
+    fused = cfg.with_overrides({"model.name": "bert_fused", "model.dropout": 0.3, "train.max_epochs": 40})
+    epochs, why = expected_epochs(fused, "trial", uri, warm=True)
+    assert (epochs, True) == MEASURED_EPOCHS_AT[(("model.dropout", 0.3),)][("multi30k", "warm", "bert_fused")]
+    assert "warm-started bert_fused runs on multi30k at model.dropout=0.3 took" in why and "guess" not in why, why
     # Another of the settings besides: no figure at exactly those, so the guess from the default settings' runs.
     epochs, why = expected_epochs(control.with_overrides({"train.lr": 5e-4}), "trial", uri, warm=False)
     assert epochs == MEASURED_EPOCHS[("multi30k", "scratch", "transformer")][0] and "a guess" in why, why
