@@ -59,9 +59,17 @@ a reason:
   Multi30k run); the studies train without (``train.weight_decay`` is torch Adam's L2 term, not that decay).
 - **Initial scale of the joint attention.** The primary projections are one fused matrix initialised as the
   platform's self-attention (Xavier, gain 2^-½), the BERT projections with gain 1 (2^-½ when BERT's width is the
-  model's); the authors initialise every projection with gain 1, so here BERT's keys and values start larger
-  beside the layer's own than theirs do (the figures: ``docs/reproduction.md``, row 4). The paper does not
-  specify an initialisation.
+  model's); the authors initialise every input projection with gain 1, so here BERT's keys and values start larger
+  beside the layer's own than theirs do (the figures: ``docs/reproduction.md``, row 4). The output projection is
+  Xavier with gain 1 and a zero bias, as the platform's self-attention; the authors' joint attention leaves theirs
+  at ``nn.Linear``'s default (a weight √3 smaller at d 256, a small random bias), and zeroes the input projections'
+  biases, which here keep ``nn.Linear``'s default. The paper does not specify an initialisation; the control and
+  the arms share the platform's, so they start alike.
+- **Dropout in Eq. 10.** The two joint attentions are averaged, then one dropout mask falls on the average before
+  the residual; the authors drop each out with its own mask before averaging. The expectation and inference are
+  the same, and so is training at ``model.decoder_p_net=1.0`` (one branch a layer); at the default 0 the
+  residual's noise here is up to twice theirs where the two attentions agree. One mask keeps the layer the
+  residual block of every other layer; the paper does not place dropout.
 """
 
 from __future__ import annotations
