@@ -31,6 +31,16 @@ original code:
   weight, not the branch), as the original; off by default until the drop-net study has measured it. Under
   CUDA graphs (``train.cuda_graphs``) both branches run, weighed by the draw, and the switched-off one still
   gets no Adam step (:class:`~nmtcore.nn.drop_net.PlannedDraws`).
+- a frozen BERT runs in eval mode, without its dropout, so its states come from the frozen-feature cache; the
+  authors' fairseq only stops BERT's gradients and puts it in train mode with the rest of the model, so in their
+  training H_B carries BERT's dropout (0.1) afresh every forward. ``model.bert.dropout_when_frozen=true`` does the
+  same here (the cache is then off). The paper says only that BERT is not trained further;
+- ``bert_attn`` starts as every cross-attention here: keys and values from one fused (2d × kdim) projection under
+  Xavier (a bound 0.85-0.89 of the authors' separate projections' at the studies' widths) and ``nn.Linear``'s
+  default biases on q, k and v, where the authors zero them; the output projection as theirs;
+- dropout falls once on the combined branches before the residual; the authors drop each branch out with its own
+  mask, then add them. At p_net 1.0 (the studies' and the authors' setting) one branch runs a layer and the two are
+  the same; below it the expectation is, the noise is not;
 - the authors' runs train at 5e-4 after 4k warm-up updates with ``--weight-decay 0.0001``; the studies run the
   platform's Multi30k schedule (1e-3 after 400, ``search_spaces/protocols.py``) and no weight decay. Their
   fairseq Adam decays decoupled, a factor 1 − 10⁻⁴·lr an update, negligible over a Multi30k run;

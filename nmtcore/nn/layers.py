@@ -316,7 +316,9 @@ class SelfAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
-        # fairseq's init for same-dimension QKV: xavier with gain 1/sqrt(2) (stabler post-norm start).
+        # Xavier with gain 1/sqrt(2) over the fused (3d x d) matrix: a bound 1/sqrt(2) of fairseq's, whose gain
+        # 1/sqrt(2) falls on each (d x d) projection alone (a smaller post-norm start; the biases keep nn.Linear's
+        # default where fairseq zeroes them).
         nn.init.xavier_uniform_(self.qkv.weight, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.out.weight)
         nn.init.zeros_(self.out.bias)
