@@ -865,3 +865,19 @@ def test_the_curves_figure_draws_training_against_validation_nll_and_marks_where
     assert bars == [(0, [3])]  # M0's phase 2, on the BLEU panel; the control has no phases
     nll_lines = sorted(style for panel, _, _, style in drawn["calls"] if panel == 2)
     assert nll_lines == ["-", "-", "--", "--"]  # each run's validation and training NLL
+
+
+def test_a_resumed_sweeps_unkeyed_protocol_pools_with_the_keyed_one_and_nothing_else_does():
+    """A sweep resumed by older code recorded "the sweep's baseline" instead of its baseline's key: the main job at
+    dropout 0.3, seed 1 (resumed), and seed 2 (one session) were refused as protocols that differ."""
+    from nmtcore.sweep.results import same_protocol
+
+    rest = ("; control arm: yes; second stage, arms and control alike: train.loss_guard=True, train.max_epochs=40, "
+            "train.min_delta=0.1, train.patience=3, train.stop_metric=valid_bleu")
+    unkeyed = "arms warm-started from the sweep's baseline" + rest
+    keyed = "arms warm-started from baseline 51d5510657c7a842371bfd00 (stopped by patience: converged)" + rest
+    assert same_protocol(unkeyed, keyed) and same_protocol(keyed, unkeyed) and same_protocol(keyed, keyed)
+    other_key = keyed.replace("51d5510657c7a842371bfd00", "0123456789abcdef01234567")
+    assert not same_protocol(keyed, other_key)  # two named baselines must be the same one
+    assert not same_protocol(unkeyed, keyed.replace("max_epochs=40", "max_epochs=20"))  # the stage must match
+    assert not same_protocol(unkeyed, "arms from scratch" + rest)

@@ -285,6 +285,8 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
         search=describe_search(space, settings), space_json=json.dumps(space.describe(), default=repr),
         test_splits=tuple(base.data.test_splits), experiment_path=exp_dir,
         protocol=describe_protocol(space, made, base), **baseline).to_tags()
+    if state is not None and made is None:  # resumed: the first session's line names the baseline, keep it
+        tags.pop(schema.PROTOCOL, None)
     if state is not None:
         parent = tracking.Tracker(settings.tracking_uri, run_id=state.parent_run_id, tags=tags)
         if estimated is not None:  # what was left when it resumed (the first estimate.json stays)

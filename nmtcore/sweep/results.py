@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -226,6 +227,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     parent, recorded = parents[0], records[0]
     for other in records[1:]:
         for what in ("study", "varied_keys", "all_test_splits", "protocol"):
+            if what == "protocol" and same_protocol(other.protocol, recorded.protocol):
+                continue
             if getattr(other, what) != getattr(recorded, what):
                 words = "test splits" if what == "all_test_splits" else what.replace("_", " ")
                 raise tracking.TrackingError(
@@ -498,6 +501,21 @@ def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]
         return Progress(run.tags.get(SEED_TAG, ""), state, epochs, math.nan, 0)
     best_epoch = max(sorted(by_epoch), key=lambda e: (by_epoch[e], -e))  # the first epoch of the best value
     return Progress(run.tags.get(SEED_TAG, ""), state, epochs, by_epoch[best_epoch], int(best_epoch))
+
+
+_KEYED_START = re.compile(r"warm-started from baseline \S+ \(stopped by [^)]*\)")
+UNKEYED_START = "warm-started from the sweep's baseline"
+
+
+def same_protocol(a: str, b: str) -> bool:
+    """Whether two sweeps' recorded protocols are one: equal, or equal but that one names its shared baseline's key
+    and the other only "the sweep's baseline" (what a sweep resumed before the resume kept the first session's
+    line recorded: the line names no key there, the protocol is the same)."""
+    if a == b:
+        return True
+    if UNKEYED_START not in (a + b):
+        return False
+    return _KEYED_START.sub(UNKEYED_START, a) == _KEYED_START.sub(UNKEYED_START, b)
 
 
 def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
