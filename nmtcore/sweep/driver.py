@@ -43,6 +43,7 @@ from nmtcore.sweep.plan import (
     validate_space,
 )
 from nmtcore.sweep.report import make_report
+from nmtcore.sweep.results import UNKEYED_START
 from nmtcore.sweep.settings import (
     SweepError,
     SweepSettings,
@@ -285,9 +286,8 @@ def _open_parent(space: SearchSpace, base: ExperimentConfig, settings: SweepSett
         search=describe_search(space, settings), space_json=json.dumps(space.describe(), default=repr),
         test_splits=tuple(base.data.test_splits), experiment_path=exp_dir,
         protocol=describe_protocol(space, made, base), **baseline).to_tags()
-    if state is not None and made is None:  # resumed: the first session's line names the baseline, keep it
-        tags.pop(schema.PROTOCOL, None)
     if state is not None:
+        tags.pop(schema.PROTOCOL, None)  # a resume has no baseline to name: the first session's line stays
         parent = tracking.Tracker(settings.tracking_uri, run_id=state.parent_run_id, tags=tags)
         if estimated is not None:  # what was left when it resumed (the first estimate.json stays)
             parent.log_dict(estimated.to_dict(), "estimate-left.json")
@@ -403,7 +403,7 @@ def describe_protocol(space: SearchSpace, made: Any, base: ExperimentConfig | No
         return "none: trials compared with the space's reference"
     start = (f"warm-started from baseline {made.key} (stopped by {made.stopped_by}: "
              f"{'converged' if made.converged else 'NOT CONVERGED'})"
-             if made is not None else "warm-started from the sweep's baseline" if p.warm_start else "from scratch")
+             if made is not None else UNKEYED_START if p.warm_start else "from scratch")
     flat = base.flat() if base is not None else {}
     budget = {k: flat.get(k, v) for k, v in space.budget.items()}
     changed = [k for k, v in space.budget.items() if budget[k] != v]

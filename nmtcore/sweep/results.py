@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -503,14 +503,15 @@ def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]
     return Progress(run.tags.get(SEED_TAG, ""), state, epochs, by_epoch[best_epoch], int(best_epoch))
 
 
+# How a protocol line (driver.describe_protocol) says where the arms started: with the shared baseline's key, or
+# without one (the line a resume wrote before it kept the first session's).
 _KEYED_START = re.compile(r"warm-started from baseline \S+ \(stopped by [^)]*\)")
 UNKEYED_START = "warm-started from the sweep's baseline"
 
 
 def same_protocol(a: str, b: str) -> bool:
-    """Whether two sweeps' recorded protocols are one: equal, or equal but that one names its shared baseline's key
-    and the other only "the sweep's baseline" (what a sweep resumed before the resume kept the first session's
-    line recorded: the line names no key there, the protocol is the same)."""
+    """Whether two sweeps' recorded protocols are one: equal, or equal but for one naming its shared baseline's key
+    where the other says only "the sweep's baseline"."""
     if a == b:
         return True
     if UNKEYED_START not in (a + b):
