@@ -231,6 +231,7 @@ def test_protocol_baseline_is_trained_once_for_two_sweeps_and_a_resume(ray_clust
     the same study reuses it, an interrupted third one resumes without touching it; every sweep has its
     control arm, warm-started like the arms, first in its report."""
     from nmtcore.sweep import baseline as baseline_store
+    from nmtcore.tracking import schema
     from nmtcore.sweep.space import Protocol
 
     # Both arms differ from the control (the base has dropout 0.0: an arm equal to the control is refused).
@@ -249,13 +250,17 @@ def test_protocol_baseline_is_trained_once_for_two_sweeps_and_a_resume(ray_clust
     third = driver.run_sweep(space, base, tiny_settings(tmp_path, "proto-c", store, baseline_store=str(root),
                                                         max_concurrent=1), on_trial_end=interrupt, log_to_driver=False)
     assert third.interrupted
+    protocol = tracking.get_run(third.parent_run_id, store).tags[schema.PROTOCOL]
     resumed = driver.run_sweep(space, base, tiny_settings(tmp_path, "proto-c", store, baseline_store=str(root),
                                                           max_concurrent=1, resume=True), log_to_driver=False)
+    # the resume has no baseline to name: the first session's protocol line, which names it, stays
+    assert tracking.get_run(resumed.parent_run_id, store).tags[schema.PROTOCOL] == protocol
     assert not first.interrupted and not second.interrupted and not resumed.interrupted
     keys = {tracking.get_run(r.parent_run_id, store).tags[baseline_store.KEY_TAG]
             for r in (first, second, third)}
     assert len(keys) == 1
     key = keys.pop()
+    assert f"warm-started from baseline {key} " in protocol
     trained = tracking.search_runs(f"tags.`{baseline_store.KEY_TAG}` = '{key}' and "
                                    "tags.`nmtcore.role` = 'baseline'", store)
     assert len(trained) == 1  # trained once
