@@ -468,6 +468,34 @@ def test_the_report_prints_each_sessions_time_split_and_their_total(tmp_path):
         tmp_path, "plain", "patience"), n_bootstrap=0))
 
 
+def test_a_session_killed_outright_keeps_its_time_up_to_its_last_record(tmp_path):
+    """While its trials run a session rewrites its entry (``final=False``), a phase under way counted so far; a
+    session killed before its last record keeps that entry, marked, and the next session adds its own after it."""
+    import time
+
+    uri = stage_sweep(tmp_path, "killed", "patience")
+    parent = tracking.Tracker(uri, run_id=results.build_report("killed", uri, n_bootstrap=0).parent_run_id)
+    killed = timing.PhaseClock(started="2026-12-07T04:01:00+00:00")
+    killed.seconds = {"data": 4.0}
+    with killed.phase("trials"):
+        time.sleep(0.05)
+        timing.record(parent, killed, [], final=False)  # a heartbeat mid-phase
+        time.sleep(0.05)
+        sessions = timing.record(parent, killed, [], final=False)  # the last one before the kill
+    assert 0.1 <= sessions[-1]["phases"]["trials"] < 1.0 and sessions[-1]["phases"]["data"] == 4.0
+    assert not killed.running and "recorded" in sessions[-1]
+    earlier = timing.read(parent.run_id, uri)  # what the resume reads
+    assert earlier == sessions
+    resumed = timing.PhaseClock(started="2026-12-07T05:13:00+00:00")
+    timing.record(parent, resumed, earlier)
+    split = results.build_report("killed", uri, n_bootstrap=0).time_split
+    assert [s["started"] for s in split] == [killed.started, resumed.started] and "recorded" not in split[1]
+    lines = timing.describe(split)
+    assert lines[0].startswith("session 1 (started 2026-12-07T04:01:00+00:00): data 4 s; trials 0 s; wall")
+    assert f"ended without its last record: its time up to {split[0]['recorded']}" in lines[0]
+    assert "ended without" not in lines[1]
+
+
 def test_an_arm_that_writes_shorter_output_shows_its_length_and_brevity_penalty(tmp_path):
     """Output cut short at full precision loses BLEU to the brevity penalty: the table says so per arm."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -16,7 +16,7 @@ import pytest
 from nmtcore import tracking
 from nmtcore.allocator import find_library
 from nmtcore.engine import Callback
-from nmtcore.sweep import driver, lifecycle, ray_backend
+from nmtcore.sweep import driver, lifecycle, ray_backend, timing
 from nmtcore.sweep import settings as sweep_settings
 from nmtcore.testing.sweeps import tiny_base, tiny_settings
 from search_spaces import SearchSpace, grid
@@ -201,6 +201,10 @@ def test_resume_after_kill_9_of_the_driver(ray_cluster, store, tmp_path, deadlin
                                                  max_concurrent=1, resume=True, verbose=0,
                                                  report_dir=str(tmp_path / "report")), log_to_driver=False)
     assert not result.interrupted
+    # the killed session's time, to its last record (the first trial's end at the latest), before the resume's
+    split = timing.read(result.parent_run_id, store)
+    assert len(split) == 2 and "recorded" in split[0] and "recorded" not in split[1], split
+    assert split[0]["phases"]["trials"] > 0 and split[0]["wall_s"] > split[0]["phases"]["trials"]
     after = children_of("kill", store)
     assert len(after) == 3 and len({c.tags[lifecycle.TRIAL_KEY_TAG] for c in after}) == 3
     assert all(c.status == "FINISHED" and c.tags[lifecycle.TRIAL_STATE_TAG] == "complete" for c in after)

@@ -121,6 +121,30 @@ def test_the_callback_pickles_without_its_limit():
         callback.limit.cancel()
 
 
+def test_the_session_record_is_written_as_trials_start_every_period_and_as_each_ends(monkeypatch):
+    """The driver's record of the session's time: at the first step, then not again within the period, again
+    after it, and at every trial's end or error; pickled with the Tuner it leaves the driver's callable behind."""
+    from nmtcore.sweep.ray_backend import callbacks
+
+    now = [1000.0]
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+    calls = []
+    cb = callbacks._SessionRecord(lambda: calls.append(now[0]), every_s=300.0)
+    cb.on_step_end(0, [])
+    now[0] += 299.0
+    cb.on_step_end(1, [])
+    assert calls == [1000.0]
+    now[0] += 1.0
+    cb.on_step_end(2, [])
+    cb.on_trial_complete(3, [], trial=None)
+    now[0] += 10.0
+    cb.on_trial_error(4, [], trial=None)
+    assert calls == [1000.0, 1300.0, 1300.0, 1310.0]
+    restored = pickle.loads(pickle.dumps(cb))
+    assert restored.record is None and restored.every_s == 300.0
+    restored.on_step_end(5, [])  # without a record to call: nothing happens, nothing fails
+
+
 def test_the_timer_stops_at_the_limit_less_the_margin():
     import time
 

@@ -1,13 +1,15 @@
 """The driver's Tune callbacks: :class:`_SweepCallback` keeps each trial's MLflow record in step with Tune (ends
 the child runs of stopped and failed trials, removes leaked worker reservations), :class:`_TrialsConsole` prints
-the trials' progress lines, :class:`_TimeLimitCallback` stops the sweep before its ``--time-limit``; and the names
-Tune shows for trials."""
+the trials' progress lines, :class:`_TimeLimitCallback` stops the sweep before its ``--time-limit``,
+:class:`_SessionRecord` keeps the session's time split on MLflow while trials run; and the names Tune shows for
+trials."""
 
 from __future__ import annotations
 
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -245,6 +247,34 @@ class _TimeLimitCallback(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         if self.limit is not None:
             self.limit.forget(trial.trial_id)
+
+
+class _SessionRecord(tune.Callback):
+    """Calls ``record`` (the driver's: store this session's time split so far) at the trials' first step, every
+    ``every_s`` after, and as each trial ends: a session killed outright keeps its time up to its last record.
+    Pickled with the Tuner, it leaves ``record`` behind (a restored Tuner gets a live one)."""
+
+    def __init__(self, record: Callable[[], None] | None, every_s: float) -> None:
+        self.record, self.every_s = record, every_s
+        self._last = -math.inf
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"record": None, "every_s": self.every_s, "_last": -math.inf}
+
+    def _now(self) -> None:
+        self._last = time.monotonic()
+        if self.record is not None:
+            self.record()
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self._now()
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._now()
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._now()
 
 
 def _trial_name(trial: Any) -> str:
