@@ -4,7 +4,8 @@
 Three kinds of figure, each from a hook every model declares (:class:`~nmtcore.models.NMTModel`):
 
 - ``valid_bleu/<switch>``: greedy validation BLEU under each of the model's inference switches
-  (:meth:`~nmtcore.models.NMTModel.inference_switches`; BERT-fused: ``mix`` = Eq. 1, ``nmt_only``, ``bert_only``);
+  (:meth:`~nmtcore.models.NMTModel.inference_switches`; BERT-fused: ``mix`` = Eq. 1, ``nmt_only``, ``bert_only``,
+  ``enc_bert_off``, ``dec_bert_off``);
 - ``bert_usage/<name>``: figures read off the weights (:meth:`~nmtcore.models.NMTModel.bert_usage`; BERT-JAM's GLU
   weight per BERT layer);
 - ``probe/<name>``: figures gathered over one teacher-forced pass of the validation set

@@ -217,9 +217,9 @@ def test_a_warm_started_stage_starts_at_update_zero_with_a_fresh_optimizer_and_i
 
 # ---------------------------------------------------------------------- diagnostics
 def test_bert_fused_branch_diagnostics_equal_switching_each_branch_off_by_hand(tmp_path):
-    """``measure``'s three BLEUs are the greedy validation BLEU with drop-net's inference weights forced by hand
-    (NMT branches: encoder (1, 0), decoder (0, 1); BERT branches the reverse; the mix (½, ½)), and the model's
-    own weights are back to the average afterwards."""
+    """``measure``'s five BLEUs are the greedy validation BLEU with drop-net's inference weights forced by hand
+    (NMT branches: encoder (1, 0), decoder (0, 1); BERT branches the reverse; the mix (½, ½); BERT off in one stack,
+    the other mixing), and the model's own weights are back to the average afterwards."""
     cfg = tiny_experiment(tmp_path, **{"model.name": "bert_fused", "model.bert.name": tiny_bert_dir(),
                                        "train.max_epochs": 2, "model.p_net": 1.0})
     trainer = build_trainer(cfg, device=torch.device("cpu"))
@@ -231,13 +231,14 @@ def test_bert_fused_branch_diagnostics_equal_switching_each_branch_off_by_hand(t
     greedy = DecodeConfig(**{**cfg.decode.__dict__, "beam": 1, "nbest": 1})
     by_hand = {}
     for name, (enc, dec) in {"mix": ((0.5, 0.5), (0.5, 0.5)), "nmt_only": ((1.0, 0.0), (0.0, 1.0)),
-                             "bert_only": ((0.0, 1.0), (1.0, 0.0))}.items():
+                             "bert_only": ((0.0, 1.0), (1.0, 0.0)), "enc_bert_off": ((1.0, 0.0), (0.5, 0.5)),
+                             "dec_bert_off": ((0.5, 0.5), (0.0, 1.0))}.items():
         model.enc_drop_net.weights = lambda w=enc: w
         model.dec_drop_net.weights = lambda w=dec: w
         by_hand[f"valid_bleu/{name}"] = bleu.corpus_bleu(trainer.translate(split, greedy), split.raw_tgt).score
     assert {k: v for k, v in figures.items() if k.startswith("valid_bleu/")} == pytest.approx(by_hand, abs=1e-9)
     assert len(set(by_hand.values())) > 1  # the switches change the translations
-    assert {k.split("/")[1] for k in figures} == {"mix", "nmt_only", "bert_only"}
+    assert {k.split("/")[1] for k in figures} == {"mix", "nmt_only", "bert_only", "enc_bert_off", "dec_bert_off"}
 
 
 def test_every_model_says_how_its_scores_and_its_translations_relate(tmp_path):

@@ -172,10 +172,14 @@ class BertFused(Transformer):
         "mix": ((0.5, 0.5), (0.5, 0.5)),  # Eq. 1-2: what the model is tested with
         "nmt_only": ((1.0, 0.0), (0.0, 1.0)),  # BERT switched off: self- and encoder-decoder attention alone
         "bert_only": ((0.0, 1.0), (1.0, 0.0)),  # the BERT-attention branches alone
+        "enc_bert_off": ((1.0, 0.0), (0.5, 0.5)),  # BERT reaches the model through the decoder's attn_B only
+        "dec_bert_off": ((0.5, 0.5), (0.0, 1.0)),  # ... through the encoder's only
     }
 
     def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
-        """Decoding with Eq. 1's mix, the NMT branches alone and the BERT branches alone (every layer)."""
+        """Decoding with Eq. 1's mix, the NMT branches alone and the BERT branches alone (every layer), and with
+        BERT switched off in one stack (the encoder's or the decoder's layers), the other mixing as Eq. 1-2:
+        what each side's BERT attention adds to the tested model."""
         return {name: (lambda w=w: self.branch_weights(*w)) for name, w in self.BRANCHES.items()}
 
     @contextlib.contextmanager

@@ -290,7 +290,9 @@ def diagnostics_table(report: SweepReport) -> list[str]:
     ref = report.reference
     lines = ["**How each arm used BERT** (validation set, the tested weights; mean over seeds). "
              "`valid_bleu/<switch>`: greedy validation BLEU with only those branches on (BERT-fused: `mix` = Eq. 1, "
-             "what is tested; `nmt_only` = BERT switched off; `bert_only` = the BERT-attention branches alone)"
+             "what is tested; `nmt_only` = BERT switched off; `bert_only` = the BERT-attention branches alone; "
+             "`enc_bert_off` / `dec_bert_off` = BERT switched off in the encoder's / the decoder's layers only, the "
+             "other stack mixing as tested: `mix` minus each is what that side's BERT attention adds)"
              + (f"; the {ref.label}'s best validation BLEU over its epochs, for comparison: "
                 f"{_f(mean([max(c['valid_bleu']) for _, c in ref.curves if c.get('valid_bleu')]))}"
                 if ref is not None and ref.control else "")
