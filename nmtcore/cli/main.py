@@ -1,4 +1,5 @@
-"""``nmtcore`` command line: train, translate, evaluate, report, export / import, lengths, retest, bert-pretrain.
+"""``nmtcore`` command line: train, translate, evaluate, report, export / import, lengths, retest, rediagnose,
+bert-pretrain.
 
 Every error a user can cause (bad config key, missing data, corrupt checkpoint...) ends as one line on
 stderr and exit status 2; tracebacks are for bugs.
@@ -175,6 +176,16 @@ def cmd_retest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rediagnose(args: argparse.Namespace) -> int:
+    """``nmtcore rediagnose``: a sweep's complete trials measured again by today's diagnostics, into their runs."""
+    from nmtcore.sweep import rediagnose
+
+    logged = rediagnose.rediagnose_sweep(args.sweep, args.tracking_uri, again=args.again)
+    n = sum(1 for names in logged.values() if names)
+    print(f"measured {len(logged)} trial(s), {n} with figures logged; nmtcore report --sweep {args.sweep} shows them")
+    return 0
+
+
 def cmd_bert_pretrain(args: argparse.Namespace) -> int:
     """``nmtcore bert-pretrain``: masked-LM pretraining of a BERT of any size on one side of a corpus, cached."""
     from nmtcore.bert.made_here import DEFAULT_STEPS, PretrainSpec
@@ -318,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--again", action="store_true", help="decode trials that have scores on these splits again "
                                                          "(the new scores replace theirs)")
     rt.set_defaults(func=cmd_retest)
+
+    rd = sub.add_parser("rediagnose", help="a sweep's complete trials measured again by this version's diagnostics "
+                                           "(how each arm used BERT: switches and probes added since it ran), "
+                                           "the figures their runs lack logged into them for report")
+    rd.add_argument("--sweep", required=True, help="the sweep's name or its MLflow parent run id")
+    rd.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
+    rd.add_argument("--again", action="store_true", help="log every figure, replacing those the runs have")
+    rd.set_defaults(func=cmd_rediagnose)
 
     bp = sub.add_parser("bert-pretrain", help="masked-LM pretraining of a BERT of any size L x H on one side of a "
                                               "corpus (cached; resolves as pretrained-here:L<L>-H<H>:<corpus>:<lang>)")
