@@ -75,6 +75,12 @@ def test_the_figures_a_run_lacks_are_logged_beside_its_own_and_the_report_shows_
     rediagnose_sweep("toy", uri, measure=_measure(calls, uri), say=said.append, again=True)
     assert tracking.get_run(fused.run_id, uri).metrics["diag/valid_bleu/mix"] == 39.4
 
+    # Another seed of the arm that has only the figures of its time: the new ones are the mean of the run that has them.
+    add_trial(tracking.Tracker(uri, run_id=parent.run_id), tmp_path, 3, 3, "fused", 0.8, {"arm": "fused"},
+              diagnostics=OLD)
+    md = report.render_markdown(results.build_report("toy", uri, n_bootstrap=0))
+    assert "| valid_bleu/enc_bert_off |  | 38.200 (1 of 2) |" in md and "| valid_bleu/mix |  | 39.200 |" in md
+
 
 def test_a_sweep_without_a_complete_trial_or_its_weights_is_refused(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

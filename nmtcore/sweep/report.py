@@ -304,10 +304,19 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              "one's top layer, the MLM head's and the target BERT's next-token accuracy). For every arm, the control too (`tested`: a model without "
              "switches): `valid_len_ratio` the greedy output's length over the references', `valid_token_acc` the "
              "teacher-forced share of target tokens that are the top choice, `valid_entropy` and `valid_nll` in "
-             "bits per target token: where equal NLL and unequal BLEU part ways.", "",
+             "bits per target token: where equal NLL and unequal BLEU part ways. A figure only some of an arm's "
+             "runs have (a switch added after the others ran, measured by `nmtcore rediagnose` where their weights "
+             "were) is the mean of those, marked `(n of m)`.", "",
              "| figure | " + " | ".join(g.label for g in arms) + " |", "|---|" + "|".join("---" for _ in arms) + "|"]
+    runs = {g.label: max(len(v) for v in g.diagnostics.values()) for g in arms}
+
+    def cell(g: Any, name: str) -> str:
+        values = g.diagnostics.get(name, [])
+        part = f" ({len(values)} of {runs[g.label]})" if 0 < len(values) < runs[g.label] else ""
+        return _f(mean(values), 3) + part
+
     for name in names:
-        lines.append(f"| {name} | " + " | ".join(_f(mean(g.diagnostics.get(name, [])), 3) for g in arms) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(g, name) for g in arms) + " |")
     return lines + [""]
 
 
