@@ -65,7 +65,10 @@ def test_the_figures_a_run_lacks_are_logged_beside_its_own_and_the_report_shows_
         **OLD, "valid_bleu/enc_bert_off": 38.2, "valid_bleu/dec_bert_off": 37.6}
     assert "epoch2.pt" in tracking.get_run(fused.run_id, uri).tags[REDIAGNOSED_TAG]
     assert REDIAGNOSED_TAG not in tracking.get_run(control.run_id, uri).tags
-    assert any("control seed 1: every figure recorded already" in line for line in said)
+    assert any("control seed 1: every figure recorded already (1), kept; the 1 it had re-measured within 0" in line
+               for line in said)
+    assert any("fused seed 1: 2 figure(s) logged" in line and "the 2 it had re-measured within 0.4" in line
+               for line in said)
 
     md = report.render_markdown(results.build_report("toy", uri, n_bootstrap=0))
     assert "| valid_bleu/enc_bert_off |  | 38.200 |" in md and "| valid_bleu/mix |  | 39.000 |" in md

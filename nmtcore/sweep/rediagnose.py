@@ -9,7 +9,9 @@ retest`` finds them), builds the trial's trainer from the checkpoint's own confi
 BERT's features from the run's feature cache) on the threads the trial decoded with, and measures. The figures the
 run lacks go into it as a trial logs its own (``diag/...`` at its final step; ``diagnostics.json`` becomes the union),
 with the tag ``nmtcore.rediagnosed`` saying when, with which code and which weights; the figures it has keep their
-values (``again``: the new values replace them). ``nmtcore report`` reads them as any trial's.
+values (``again``: the new values replace them), and the console says how far their re-measured values lie from
+them (the same weights, data and threads: a check that the measure reproduces). ``nmtcore report`` reads them as
+any trial's.
 
   nmtcore rediagnose --sweep NAME [--tracking-uri URI] [--again]
 """
@@ -98,8 +100,11 @@ def rediagnose_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, 
             had = recorded(run)
             new = {k: v for k, v in figures.items() if again or k not in had}
             logged[run.run_id] = sorted(new)
+            same = [k for k in figures if k in had]
+            check = (f"; the {len(same)} it had re-measured within {max(abs(figures[k] - had[k]) for k in same):.3g}"
+                     if same else "")
             if not new:
-                say(f"rediagnose: {label}: every figure recorded already ({len(figures)}), kept")
+                say(f"rediagnose: {label}: every figure recorded already ({len(figures)}), kept{check}")
                 continue
             tracking.log_run_metrics(run.run_id, {PREFIX + k: v for k, v in new.items()},
                                      final_step(run.run_id, uri, tests), uri)
@@ -111,6 +116,6 @@ def rediagnose_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, 
                                                                 f"weights {checkpoints[run.run_id].name}, "
                                                                 f"{len(new)} figure(s)"}, uri)
             shown = ", ".join(f"{k} {new[k]:.2f}" for k in sorted(new) if k.startswith("valid_bleu/"))
-            say(f"rediagnose: {label}: {len(new)} figure(s) logged{': ' + shown if shown else ''} "
+            say(f"rediagnose: {label}: {len(new)} figure(s) logged{': ' + shown if shown else ''}{check} "
                 f"({time.perf_counter() - t0:.0f} s)")
     return logged
