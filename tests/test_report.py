@@ -536,11 +536,12 @@ def test_the_delta_split_sums_to_the_difference_of_the_means():
     assert report.length_and_precision(30.0, 0.0, 33.0, 1.0) == (None, None)
 
 
-def _sweep(uri, name, varied="arm", study="bert_benefit", baseline_run=""):
+def _sweep(uri, name, varied="arm", study="bert_benefit", baseline_run="",
+           protocol="arms warm-started; control arm: yes"):
     return tracking.Tracker(uri, experiment="sweeps", run_name=name, tags={
         lifecycle.SWEEP_TAG: name, lifecycle.ROLE_TAG: "sweep", "nmtcore.study": study, "nmtcore.varied_keys": varied,
         "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"}),
-        "nmtcore.protocol": "arms warm-started; control arm: yes",
+        "nmtcore.protocol": protocol,
         **({schema.BASELINE_RUN_ID: baseline_run} if baseline_run else {})})
 
 
@@ -909,3 +910,20 @@ def test_a_resumed_sweeps_unkeyed_protocol_pools_with_the_keyed_one_and_nothing_
     assert not same_protocol(keyed, other_key)  # two named baselines must be the same one
     assert not same_protocol(unkeyed, keyed.replace("max_epochs=40", "max_epochs=20"))  # the stage must match
     assert not same_protocol(unkeyed, "arms from scratch" + rest)
+
+
+def test_a_pooled_report_states_the_protocol_line_that_names_the_baseline(tmp_path):
+    """Seed 1's sweep resumed by older code (its line says only "the sweep's baseline"), seed 2's names the key:
+    pooled in either order, the report states the keyed line."""
+    from nmtcore.sweep.results import UNKEYED_START
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keyed = "arms warm-started from baseline 51d5510657c7a842371bfd00 (stopped by patience: converged); control arm: yes"
+    for name, protocol, seed in (("old", f"arms {UNKEYED_START}; control arm: yes", 1), ("new", keyed, 2)):
+        run = _sweep(uri, name, protocol=protocol)
+        add_trial(run, tmp_path, seed, 0, "control", 0.3, control=True)
+        add_trial(run, tmp_path, seed, 1, "fused", 0.8, {"arm": "fused"})
+        run.end()
+    assert results.build_report(["old", "new"], uri, n_bootstrap=0).protocol == keyed
+    assert results.build_report(["new", "old"], uri, n_bootstrap=0).protocol == keyed
+    assert UNKEYED_START in results.build_report("old", uri, n_bootstrap=0).protocol  # alone: its own line

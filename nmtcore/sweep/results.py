@@ -326,7 +326,9 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     return SweepReport(sweep=" + ".join(r.name for r in records), parent_run_id=parent.run_id, tracking_uri=uri,
                        study=recorded.study, space=space, varied_keys=varied, metric=metric,
                        test_splits=splits, added_test_splits=added, rarity_missing=rarity_missing,
-                       protocol=recorded.protocol, groups=groups,
+                       # pooled: a line naming the shared baseline's key over one that does not (a resumed sweep's)
+                       protocol=next((r.protocol for r in records if UNKEYED_START not in r.protocol),
+                                     recorded.protocol), groups=groups,
                        reference=reference, warnings=warnings,
                        baseline_converged=converged, estimate=estimate,
                        time_split=timing.read(parent.run_id, uri) if len(parents) == 1 else [],
