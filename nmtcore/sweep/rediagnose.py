@@ -33,7 +33,7 @@ from nmtcore.sweep.retest import final_step, trial_threads
 from nmtcore.sweep.settings import SweepError
 from nmtcore.tracking import schema
 
-REDIAGNOSED_TAG = "nmtcore.rediagnosed"
+REDIAGNOSED_TAG = schema.REDIAGNOSED
 ARTIFACT = "diagnostics.json"
 
 Measure = Callable[[Path, int], dict[str, float]]  # (checkpoint, threads) → its diagnostics
@@ -49,20 +49,19 @@ def measure_tested(checkpoint: Path, threads: int = 0) -> dict[str, float]:
     import torch
 
     from nmtcore.bert import ensure_bert
-    from nmtcore.checkpoint import load_checkpoint, load_model_weights
-    from nmtcore.config import ExperimentConfig
+    from nmtcore.decoding import load_translator
     from nmtcore.diagnostics import measure
     from nmtcore.engine import build_trainer
 
-    ckpt = load_checkpoint(checkpoint)
-    cfg = ExperimentConfig.from_dict(ckpt["config"])
+    tested = load_translator(checkpoint)  # the checkpoint's own config, and its weights in the model it builds
     was = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="nmtcore-rediagnose-") as tmp:
-        cfg = ensure_bert(cfg.with_overrides({"output_dir": tmp, "train.save_dir": "", "train.init_from": "",
-                                              **({"train.num_threads": threads} if threads > 0 else {})}))
+        cfg = ensure_bert(tested.cfg.with_overrides({
+            "output_dir": tmp, "train.save_dir": "", "train.init_from": "",
+            **({"train.num_threads": threads} if threads > 0 else {})}))
         try:
             trainer = build_trainer(cfg, device=torch.device("cpu"))
-            load_model_weights(trainer.model, ckpt["model"], str(checkpoint))
+            trainer.model.load_state_dict(tested.model.state_dict())
             return measure(trainer)
         finally:
             torch.set_num_threads(was)

@@ -84,6 +84,7 @@ TEST_SPLITS = "nmtcore.test_splits"  # comma-separated
 # resumed sweep, which sets its tags again, keeps it.
 TEST_SPLITS_ADDED = "nmtcore.test_splits_added"
 RETESTED_PREFIX = "nmtcore.retested."  # + a split: on a trial's run, when and with which code it was decoded later
+REDIAGNOSED = "nmtcore.rediagnosed"  # on a trial's run: when, with which code and weights its diagnostics were measured again
 EXPERIMENT_PATH = "nmtcore.experiment_path"
 PROTOCOL = "nmtcore.protocol"
 LEAKED_PLACEMENT_GROUPS_REMOVED = "nmtcore.leaked_placement_groups_removed"
