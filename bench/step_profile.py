@@ -130,8 +130,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="step-profile-") as tmp:
         args.out = args.out or tmp
-        setup_torch(vs_fairseq.experiment(args, "thr", 5e-4, 4000, 1, "fp32"))
-        data = prepare_data(vs_fairseq.experiment(args, "thr", 5e-4, 4000, 1, "fp32").data)
+        cfg = vs_fairseq.experiment(args, "thr", 5e-4, 4000, 1, "fp32")
+        setup_torch(cfg)
+        data = prepare_data(cfg.data)
         print(f"threads={torch.get_num_threads()} torch {torch.__version__}", flush=True)
         for precision in args.precisions.split(","):
             for compiled in ((False, True) if args.compile else (False,)):

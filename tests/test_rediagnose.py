@@ -11,7 +11,8 @@ import pytest
 
 from nmtcore import tracking
 from nmtcore.sweep import lifecycle, report, results
-from nmtcore.sweep.rediagnose import REDIAGNOSED_TAG, RediagnoseError, rediagnose_sweep
+from nmtcore.sweep.rediagnose import RediagnoseError, rediagnose_sweep
+from nmtcore.tracking import schema
 from tests.test_report import add_trial
 from tests.test_retest import _weights
 
@@ -63,8 +64,8 @@ def test_the_figures_a_run_lacks_are_logged_beside_its_own_and_the_report_shows_
     assert "diag/valid_nll/dec_bert_off" not in metrics
     assert json.loads(tracking.read_artifact_text(fused.run_id, "diagnostics.json", uri)) == {
         **OLD, "valid_bleu/enc_bert_off": 38.2, "valid_bleu/dec_bert_off": 37.6}
-    assert "epoch2.pt" in tracking.get_run(fused.run_id, uri).tags[REDIAGNOSED_TAG]
-    assert REDIAGNOSED_TAG not in tracking.get_run(control.run_id, uri).tags
+    assert "epoch2.pt" in tracking.get_run(fused.run_id, uri).tags[schema.REDIAGNOSED]
+    assert schema.REDIAGNOSED not in tracking.get_run(control.run_id, uri).tags
     assert any("control seed 1: every figure recorded already (1), kept; the 1 it had re-measured within 0" in line
                for line in said)
     assert any("fused seed 1: 2 figure(s) logged" in line and "the 2 it had re-measured within 0.4" in line

@@ -359,8 +359,7 @@ def _run_trials(ctx: ray_backend.SweepContext, space: SearchSpace, base: Experim
                     ctx, settings, exp, base.train.max_epochs, restore=state is not None, cells=cells,
                     on_trial_end=on_trial_end, limit=limit,
                     before_fit=lambda: print_where(settings, parent, dashboard_url, exp, space),
-                    record=lambda: _describe(lambda: timing.record(parent, clock, earlier, final=False)),
-                    record_every_s=timing.RECORD_EVERY_S)
+                    record=lambda: _describe(lambda: timing.record(parent, clock, earlier, final=False)))
                 saved += outcome.trials
                 leaked += outcome.leaked_removed
         interrupted = (len(saved) < expected_trials(space, settings.seeds, settings.num_samples)

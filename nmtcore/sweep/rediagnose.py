@@ -33,7 +33,6 @@ from nmtcore.sweep.retest import final_step, trial_threads
 from nmtcore.sweep.settings import SweepError
 from nmtcore.tracking import schema
 
-REDIAGNOSED_TAG = schema.REDIAGNOSED
 ARTIFACT = "diagnostics.json"
 
 Measure = Callable[[Path, int], dict[str, float]]  # (checkpoint, threads) → its diagnostics
@@ -111,7 +110,7 @@ def rediagnose_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, 
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps({**had, **new}, indent=1, sort_keys=True), encoding="utf-8")
             tracking.log_run_artifacts(run.run_id, [path], None, uri)
-            tracking.set_run_tags(run.run_id, {REDIAGNOSED_TAG: f"{time.strftime('%Y-%m-%dT%H:%M:%S')}, code {code}, "
+            tracking.set_run_tags(run.run_id, {schema.REDIAGNOSED: f"{time.strftime('%Y-%m-%dT%H:%M:%S')}, code {code}, "
                                                                 f"weights {checkpoints[run.run_id].name}, "
                                                                 f"{len(new)} figure(s)"}, uri)
             shown = ", ".join(f"{k} {new[k]:.2f}" for k in sorted(new) if k.startswith("valid_bleu/"))

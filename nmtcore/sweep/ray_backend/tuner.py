@@ -16,6 +16,7 @@ from nmtcore.sweep.plan import config_key, trial_overrides
 from nmtcore.sweep.settings import SweepSettings, is_uri
 from nmtcore.sweep.space import SearchSpace
 from nmtcore.sweep.timelimit import TimeLimit
+from nmtcore.sweep.timing import RECORD_EVERY_S
 from nmtcore.sweep.trial import SweepContext
 
 from nmtcore.sweep.ray_backend._private import replace_callbacks, set_concurrency
@@ -60,13 +61,13 @@ def _config_key_of(space: SearchSpace, base_seed: int, trial: Any) -> str:
 def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epochs: int, restore: bool,
              cells: bool | None = None, on_trial_end: Callable[[dict[str, Any]], None] | None = None,
              before_fit: Callable[[], None] | None = None, limit: TimeLimit | None = None,
-             record: Callable[[], None] | None = None, record_every_s: float = 300.0) -> TuneOutcome:
+             record: Callable[[], None] | None = None) -> TuneOutcome:
     """Run (``restore``: continue) one Tune run of ``ctx.space`` under ``exp_dir``: its cells (a grid study,
     or a sampled study's control), or (``cells=False``) the search of a sampled space. Blocks until it ends
     or is interrupted. ``before_fit`` is called once the Tuner is ready (the driver prints where to watch);
     ``limit``: the sweep's time limit, told of every trial's checkpoints (it stops the sweep once none fits);
-    ``record``: called as the trials start, every ``record_every_s`` and as each trial ends (the driver stores the
-    session's time split so far)."""
+    ``record``: called as the trials start, every :data:`~nmtcore.sweep.timing.RECORD_EVERY_S` and as each trial
+    ends (the driver stores the session's time split so far)."""
     space = ctx.space
     cells = not space.sampled if cells is None else cells
     # Per worker: its estimate, and its share of the trial actor's own small reservation.
@@ -84,7 +85,7 @@ def run_tune(ctx: SweepContext, settings: SweepSettings, exp_dir: str, max_epoch
     console = _TrialsConsole(_TrialNames(space, ctx.base_seed), space.metric, max_epochs)
     key_of = functools.partial(_config_key_of, space, ctx.base_seed)
     live = ([callback, console] + ([_TimeLimitCallback(limit, key_of)] if limit is not None else [])
-            + ([_SessionRecord(record, record_every_s)] if record is not None else []))
+            + ([_SessionRecord(record, RECORD_EVERY_S)] if record is not None else []))
     trainable = tune.with_resources(tune.with_parameters(_named_trainable(ctx.name), ctx=ctx),
                                     trial_actor_resources(ctx))
     pspace = param_space(space, settings.seeds, ctx.base_seed, cells)
