@@ -385,3 +385,24 @@ def test_a_part_trained_baseline_adopted_by_newer_code_resumes_where_it_stopped(
     runs = tracking.search_runs(f"tags.`{store.ROLE_TAG}` = 'baseline'", uri)
     assert len(runs) == 1 and runs[0].status == "FINISHED"  # the same tracked run, continued
     assert (root / old_key / "meta.json").is_file()  # written where it trained, found through the new key
+
+
+def test_a_sweep_run_holding_the_baseline_key_is_never_attached_as_the_baseline(tmp_path):
+    """A sweep's parent run carries the key of the baseline it used (and comes into another machine's store with
+    ``nmtcore import``, without the baseline's own run): a baseline trained there has a run of its own, and the
+    sweep's run keeps its role and status."""
+    from nmtcore import tracking
+    from nmtcore.data import prepare_data
+    from nmtcore.tracking import schema
+
+    cfg = tiny_experiment(tmp_path, **{"train.max_epochs": 1})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    key = store.baseline_key(cfg, prepare_data(cfg.data).checksums)
+    with tracking.Tracker(uri, experiment="sweeps", run_name="an imported sweep",
+                          tags={schema.ROLE: "sweep", store.KEY_TAG: key}) as parent:
+        sweep_run = parent.run_id
+    made = store.ensure_baseline(cfg, tmp_path / "store", tracking_uri=uri, progress=lambda line: None)
+    assert made.key == key and made.trained_now
+    runs = {r.run_id: r for r in tracking.search_runs(f"tags.`{store.KEY_TAG}` = '{key}'", uri)}
+    assert runs[sweep_run].tags[schema.ROLE] == "sweep" and runs[sweep_run].status == "FINISHED"
+    assert made.meta["mlflow_run_id"] != sweep_run and runs[made.meta["mlflow_run_id"]].tags[schema.ROLE] == "baseline"

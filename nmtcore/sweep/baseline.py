@@ -208,7 +208,10 @@ def _train(cfg: ExperimentConfig, root: Path, key: str, data: Any, tracking_uri:
     cfg = cfg.with_overrides({"output_dir": str(home / "run"), "train.save_dir": ""})
     t0 = time.perf_counter()
     label = f"baseline {key[:12]}"
-    old = tracking.search_runs(f"tags.`{KEY_TAG}` = '{key}'", tracking_uri) if _store_exists(tracking_uri) else []
+    # Its own run, found by key and role: a sweep's parent run carries the key of the baseline it used too (and
+    # comes into another store with `nmtcore import`), and must never be re-attached as the baseline's.
+    old = (tracking.search_runs(f"tags.`{KEY_TAG}` = '{key}' and tags.`{ROLE_TAG}` = 'baseline'", tracking_uri)
+           if _store_exists(tracking_uri) else [])
     tags = {ROLE_TAG: "baseline", KEY_TAG: key, schema.MODEL: cfg.model.name}
     tracker = (tracking.Tracker(tracking_uri, run_id=old[-1].run_id, tags=tags) if old else
                tracking.Tracker(tracking_uri, experiment=experiment, run_name=f"baseline {cfg.model.name} {key[:8]}",
