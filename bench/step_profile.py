@@ -5,13 +5,21 @@ own CPU time, and every matrix product by shape with the rate it ran at beside t
 What a speed-up can still take from a step: the matrix products' share, how near the peak they run, and what the
 rest is made of (casts, dropout, the loss, normalisation). ``--compile`` times ``train.compile`` beside eager.
 
+``--loop ROUNDS`` instead asks what the training loop costs beside its steps: per round, ``trainer.fit()`` over
+the benchmark's first ``--loop-updates`` updates with the next batch collated in a background thread
+(``data.prefetch_batches`` 1), the same with batches collated in the loop (0), and the bare ``train_step`` over the
+same batches collated beforehand, each a new trainer from the same seed; each prints its target tokens/s, the
+time outside its steps, and its steps' median time past the first ten.
+
   python bench/step_profile.py --data-dir ../shared/data [--precisions fp32,auto] [--steps 16] [--compile]
+  python bench/step_profile.py --data-dir ../shared/data --precisions fp32 --loop 2 [--loop-updates 100]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -107,6 +115,45 @@ def profile_precision(args, vs_fairseq, precision: str, data, compiled: bool) ->
               f"{r.calls / len(profiled):5.1f}/step  {r.name} {r.shapes}")
 
 
+LOOP_WAYS = ("fit, prefetch 1", "fit, prefetch 0", "bare steps")
+
+
+def loop_round(args, vs_fairseq, precision: str, data, way: str, out: Path) -> dict[str, float]:
+    """One of :data:`LOOP_WAYS` over the benchmark's first ``args.loop_updates`` updates: target tokens/s over
+    the training wall time (``fit``: the epochs' own, as bench/vs_fairseq.py takes it), seconds outside the steps,
+    and the steps' median past the first ten (ms)."""
+    from nmtcore.engine import build_trainer
+
+    cfg = vs_fairseq.experiment(args, "thr", 5e-4, 4000, args.loop_updates, precision)
+    cfg = cfg.with_overrides({"output_dir": str(out), "data.prefetch_batches": 0 if "prefetch 0" in way else 1})
+    trainer = build_trainer(cfg, data, device=torch.device("cpu"))
+    steps: list[float] = []
+    step = trainer.train_step
+
+    def timed(batches):
+        t = time.perf_counter()
+        stats = step(batches)
+        steps.append(time.perf_counter() - t)
+        return stats
+
+    if way == "bare steps":
+        batches, epoch = [], 1
+        while len(batches) < args.loop_updates:
+            batches += [b for _, b in zip(range(args.loop_updates - len(batches)), trainer.train_batches(epoch))]
+            epoch += 1
+        t0 = time.perf_counter()
+        for b in batches:
+            timed([b])
+        wall, tokens = time.perf_counter() - t0, sum(b.n_tgt_tokens for b in batches)
+    else:
+        trainer.train_step = timed
+        trainer.fit()
+        wall = sum(h["train_wall_s"] for h in trainer.state.history)
+        tokens = sum(h["train_tokens"] for h in trainer.state.history)
+    return {"tgt_tok_per_s": tokens / wall, "outside_steps_s": wall - sum(steps),
+            "step_ms_median": 1000 * statistics.median(steps[10:] or steps), "updates": len(steps)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
@@ -119,6 +166,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16, help="steps timed, then as many profiled")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--compile", action="store_true", help="also each precision with train.compile")
+    p.add_argument("--loop", type=int, default=0, metavar="ROUNDS",
+                   help="instead of the profile: the training loop against its bare steps, ROUNDS times")
+    p.add_argument("--loop-updates", type=int, default=100)
     args = p.parse_args()
     if not args.data_dir:
         p.error("--data-dir (or NMTCORE_DATA) is required")
@@ -134,7 +184,14 @@ def main() -> int:
         setup_torch(cfg)
         data = prepare_data(cfg.data)
         print(f"threads={torch.get_num_threads()} torch {torch.__version__}", flush=True)
-        for precision in args.precisions.split(","):
+        for precision in args.precisions.split(",") if args.loop else ():
+            for r in range(args.loop):
+                for i, way in enumerate(LOOP_WAYS):
+                    fig = loop_round(args, vs_fairseq, precision, data, way, Path(args.out) / f"loop-{precision}-{r}-{i}")
+                    print(f"loop[{precision}] round {r + 1} {way}: tgt_tok_per_s={fig['tgt_tok_per_s']:.0f} "
+                          f"outside_steps_s={fig['outside_steps_s']:.2f} step_ms_median={fig['step_ms_median']:.0f} "
+                          f"updates={fig['updates']} load={os.getloadavg()[0]:.2f}", flush=True)
+        for precision in args.precisions.split(",") if not args.loop else ():
             for compiled in ((False, True) if args.compile else (False,)):
                 profile_precision(args, vs_fairseq, precision, data, compiled)
     return 0

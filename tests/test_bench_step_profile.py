@@ -45,3 +45,24 @@ def test_the_profile_adds_each_operator_over_its_shapes_and_rates_each_product(s
     assert [r.shapes for r in products] == ["[[1000, 500], [500, 1000]]", "[[100, 100], [100, 100]]"]
     assert products[0].gflops == pytest.approx(2.0)
     assert products[1].gflops == pytest.approx(0.002)
+
+
+def test_the_loop_measurement_trains_the_same_updates_each_way(step_profile, tmp_path):
+    """``--loop``: the fitted trainer (either prefetch depth) and the bare steps train the same number of updates,
+    each from a new trainer; the time outside the steps is the loop's own (next to nothing for the bare steps)."""
+    import math
+
+    from nmtcore.data import prepare_data
+    from nmtcore.testing.synthetic import tiny_experiment
+
+    base = tiny_experiment(tmp_path / "tiny")
+    fake = SimpleNamespace(experiment=lambda args, name, lr, warmup, updates, precision: base.with_overrides(
+        {"train.max_updates": updates, "train.max_epochs": 100, "train.precision": precision}))
+    args = SimpleNamespace(loop_updates=12)
+    data = prepare_data(base.data)
+    figures = {way: step_profile.loop_round(args, fake, "fp32", data, way, tmp_path / str(i))
+               for i, way in enumerate(step_profile.LOOP_WAYS)}
+    for way, fig in figures.items():
+        assert fig["updates"] == 12 and fig["tgt_tok_per_s"] > 0 and math.isfinite(fig["step_ms_median"]), way
+    assert 0.0 <= figures["bare steps"]["outside_steps_s"] < 0.05  # the loop around the steps only
+    assert figures["fit, prefetch 1"]["outside_steps_s"] >= 0.0

@@ -32,8 +32,7 @@ from nmtcore.sweep.lifecycle import ARM_TAG, find_sweep_run, sweep_children, tri
 from nmtcore.sweep.retest import final_step, trial_threads
 from nmtcore.sweep.settings import SweepError
 from nmtcore.tracking import schema
-
-ARTIFACT = "diagnostics.json"
+from nmtcore.tracking.callback import DIAGNOSTICS_FILE as ARTIFACT
 
 Measure = Callable[[Path, int], dict[str, float]]  # (checkpoint, threads) → its diagnostics
 

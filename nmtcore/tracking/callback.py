@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from nmtcore.engine.summary import TestScore
 
 STOPPED_BY_TAG = schema.STOPPED_BY
+DIAGNOSTICS_FILE = "diagnostics.json"  # a trial's diagnostics whole, beside its diag/ metrics
 STOP_METRIC_TAG = schema.STOP_METRIC
 
 def bert_tags(model: Any, cfg: "ExperimentConfig") -> dict[str, str]:
@@ -114,6 +115,6 @@ class TrackingCallback(Callback):
         if diagnostics:
             self.tracker.log_metrics({PREFIX + k: v for k, v in diagnostics.items() if math.isfinite(v)},
                                      step=summary.epochs)
-            self.tracker.log_dict(diagnostics, "diagnostics.json")
+            self.tracker.log_dict(diagnostics, DIAGNOSTICS_FILE)
         self.tracker.set_tags({STOPPED_BY_TAG: summary.fit.stopped_by, STOP_METRIC_TAG: summary.fit.stop_metric})
         self.tracker.log_dict(summary.to_dict(), "summary.json")
