@@ -611,3 +611,39 @@ def test_the_probe_decodes_as_long_as_a_translation_runs_not_to_the_length_cap(t
     speed = probe(cfg, prepare_data(cfg.data), threads=1)
     assert speed.decode_sentences_per_s > 0 and 0 < speed.cpu_share <= 1
     assert seen and all((d.beam, d.max_len_a, d.max_len_b) == (1, 1.0, 1) for d in seen)
+
+
+def test_a_batch_s_token_fill_counts_both_sides_with_their_eos():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nmtcore.sweep.cost import token_fill
+
+    split = SimpleNamespace(src_lens=np.array([1, 3, 5]), tgt_lens=np.array([2, 2, 4]))
+    assert token_fill(split, [np.array([0, 1])]) == pytest.approx(12 / 14)  # (2 + 4) + (3 + 3) of 2 x (4 + 3)
+    assert token_fill(split, [np.array([0, 1]), np.array([2])]) == pytest.approx((12 + 11) / (14 + 11))
+
+
+def test_the_probe_s_speed_is_the_full_epoch_s_batches_speed(tmp_path, monkeypatch):
+    """The probe's few batches come from a small pool of the training split, with more padding than an epoch's
+    batches over all of it: the tokens/s it measures are scaled by the two fills."""
+    from nmtcore.data import batch_indices, prepare_data
+    from nmtcore.sweep import cost
+
+    seen = []
+
+    def fake_speed(trainer, groups, threads):
+        seen.append([b.ids.numpy() for g in groups for b in g])
+        return 1000.0, 1.0
+
+    monkeypatch.setattr(cost, "_train_speed", fake_speed)
+    monkeypatch.setattr(cost, "PROBE_STEPS", 2)
+    cfg = tiny_experiment(tmp_path, **{"data.max_tokens": 64})
+    data = prepare_data(cfg.data)
+    train = data.splits[cfg.data.train_split]
+    speed = cost.probe(cfg, data, threads=1)
+    epoch = batch_indices(train.src_lens, train.tgt_lens, 64, seed=cfg.train.seed)
+    fuller = cost.token_fill(train, epoch) / cost.token_fill(train, seen[0])
+    assert speed.train_tokens_per_s == pytest.approx(1000.0 * fuller)
+    assert fuller != pytest.approx(1.0)  # the tiny task's pool is a prefix of ~ (PROBE_STEPS + 1) batches
