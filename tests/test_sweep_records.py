@@ -113,8 +113,9 @@ def test_resume_before_the_trials_starts_the_sweep_again_and_a_never_begun_one_i
     base = tiny_base(tmp_path)
     settings = tiny_settings(tmp_path, "early", "sqlite:///unused.db", resume=True)
     exp_dir = str(tmp_path / "sweeps" / "early")
-    with pytest.raises(SweepError, match="no sweep 'early' to resume"):
+    with pytest.raises(SweepError, match="no sweep 'early' to resume") as missing:
         driver._resumed(space, base, settings, exp_dir)
+    assert "under a new --name without --resume" in str(missing.value)  # what to do where the checkpoints are not
     mark_started(exp_dir, "other-space")
     with pytest.raises(SweepError, match="no sweep 'early' to resume"):
         driver._resumed(space, base, settings, exp_dir)

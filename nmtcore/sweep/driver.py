@@ -166,7 +166,10 @@ def _resumed(space: SearchSpace, base: ExperimentConfig, settings: SweepSettings
                       "starting it again (the data, BERTs, feature caches and baseline checkpoints it made are "
                       "reused)", flush=True)
                 return None, space, base, replace(settings, resume=False)
-            raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE})")
+            raise SweepError(f"no sweep {settings.name!r} to resume at {exp_dir} (no {STATE_FILE}): a sweep resumes "
+                             "where its checkpoints are. Elsewhere (a store filled by `nmtcore import`, say), start "
+                             "it under a new --name without --resume: the trials the store holds finished are copied "
+                             "by key, not trained again, once the baseline they started from is the same")
         state = ResumeState.read(state_path)
         if state.space != space.name:
             raise SweepError(f"sweep {settings.name!r} ran space {state.space}, not {space.name}")
