@@ -201,6 +201,37 @@ def peer_figures(path: str) -> dict[str, dict[str, str]]:
     return runs
 
 
+def by_process(args: argparse.Namespace) -> int:
+    """Each of ``args.precisions`` benchmarked in a process of its own (under ``OUT/<precision>``), as the peer
+    trains in its own, and their ``results.json`` merged into ``OUT/results.json``. In one process an fp32 run
+    after a bf16 one trained measurably slower than fp32 alone (docs/performance.md, "fp32 and bf16 against
+    fairseq"), so a second precision would be timed on the first one's leftovers."""
+    argv = sys.argv[1:]
+    merged, failed = {}, 0
+    for precision in args.precisions.split(","):
+        out = Path(args.out) / precision
+        cmd = [sys.executable, __file__, *with_option(with_option(argv, "--precisions", precision), "--out", str(out))]
+        failed |= subprocess.run(cmd).returncode
+        if (out / "results.json").is_file():
+            merged.update(json.loads((out / "results.json").read_text()))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.json").write_text(json.dumps(merged, indent=2))
+    return failed
+
+
+def with_option(argv: list[str], option: str, value: str) -> list[str]:
+    """``argv`` with ``option`` set to ``value`` (replacing ``option value`` or ``option=value``, else added)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return [*out, option, value]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=os.environ.get("NMTCORE_DATA", ""))
@@ -224,6 +255,8 @@ def main() -> int:
                    help="rounds of fairseq's and nmtcore's fresh-process decoding one after the other, the order "
                         "flipping each round (0 = off; needs --peer-dir's quality checkpoint)")
     args = p.parse_args()
+    if len(args.precisions.split(",")) > 1 and not args.decode_child:
+        return by_process(args)
     data = prepare_data(experiment(args, "thr", 5e-4, 4000, args.thr_updates, "fp32").data)
     print(f"nmtcore data: train_pairs={len(data.train)} vocab={len(data.vocab)} "
           f"train_tgt_tokens_incl_eos={int(data.train.tgt_lens.sum() + len(data.train))}", flush=True)

@@ -75,3 +75,14 @@ def test_rounds_alternate_the_order_and_the_ratio_is_the_median_of_the_rounds(vs
     assert got["beam5_sent_per_s"] == pytest.approx(2.5)  # median of 2.0, 3.0, 2.5
     assert (got["beam5_min"], got["beam5_max"]) == (pytest.approx(2.0), pytest.approx(3.0))
     assert got["greedy_sent_per_s"] == pytest.approx(900.75 / 600.5)
+
+
+def test_each_precision_is_benchmarked_in_a_process_of_its_own(vs_fairseq):
+    """Several precisions: the script runs itself once per precision with that precision alone and its own output
+    folder, the rest of the command line kept."""
+    argv = ["--data-dir", "d", "--precisions", "auto,fp32", "--out=o", "--skip-qual"]
+    assert vs_fairseq.with_option(argv, "--precisions", "fp32") == ["--data-dir", "d", "--out=o", "--skip-qual",
+                                                                    "--precisions", "fp32"]
+    assert vs_fairseq.with_option(vs_fairseq.with_option(argv, "--precisions", "auto"), "--out", "o/auto") == [
+        "--data-dir", "d", "--skip-qual", "--precisions", "auto", "--out", "o/auto"]
+    assert vs_fairseq.with_option(["--x"], "--out", "o") == ["--x", "--out", "o"]
