@@ -95,8 +95,25 @@ def test_a_sweep_without_a_complete_trial_or_its_weights_is_refused(tmp_path):
     with pytest.raises(RediagnoseError, match="no complete trial"):
         rediagnose_sweep("empty", uri, measure=lambda c, t: {})
     add_trial(parent, tmp_path, 1, 1, "control", 0.3, control=True)  # complete, its weights not on this machine
-    with pytest.raises(Exception, match="not on this machine|no summary.json"):
+    with pytest.raises(RediagnoseError, match="no complete trial's weights on this machine"):
         rediagnose_sweep("empty", uri, measure=lambda c, t: {})
+
+
+def test_trials_whose_weights_are_elsewhere_are_named_and_skipped(tmp_path):
+    """A sweep whose finished trials were copied from an imported store has their runs but not their weights: the
+    trials trained here are measured, the others named and left as they are."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = _sweep(tmp_path, uri)
+    add_trial(tracking.Tracker(uri, run_id=parent.run_id), tmp_path, 4, 4, "fused", 0.8, {"arm": "fused"},
+              diagnostics=OLD)  # complete, its weights not here
+    calls: list = []
+    said: list[str] = []
+    logged = rediagnose_sweep("toy", uri, measure=_measure(calls, uri), say=said.append)
+    assert len(calls) == 2 and len(logged) == 2  # the control and the first arm, measured
+    assert sum(line.startswith("rediagnose: skipped, run ") for line in said) == 1
+    skipped = [r for r in results.sweep_children(parent.run_id, uri) if r.run_id not in logged
+               and results.trial_state(r) == "complete"]
+    assert len(skipped) == 1 and schema.REDIAGNOSED not in skipped[0].tags
 
 
 def test_a_checkpoint_is_measured_as_its_trial_measured_it(tmp_path):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from nmtcore import tracking
-from nmtcore.sweep.lengths import tested_checkpoint
+from nmtcore.sweep.lengths import LengthCheckError, tested_checkpoint
 from nmtcore.sweep.lifecycle import ARM_TAG, find_sweep_run, sweep_children, trial_state
 from nmtcore.sweep.retest import final_step, trial_threads
 from nmtcore.sweep.settings import SweepError
@@ -74,8 +74,9 @@ def recorded(run: tracking.RunRecord) -> dict[str, float]:
 
 def rediagnose_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, measure: Measure = measure_tested,
                      say: Callable[[str], None] = print, again: bool = False) -> dict[str, list[str]]:
-    """Measure every complete trial of ``sweep`` again and log into its run the figures it lacks (``again``: every
-    figure). Returns, per trial run id, the names of the figures logged."""
+    """Measure every complete trial of ``sweep`` whose tested weights are on this machine again and log into its run
+    the figures it lacks (``again``: every figure); the others (copied or imported trials) are named and skipped,
+    and none at all is an error. Returns, per trial run id measured, the names of the figures logged."""
     from nmtcore.diagnostics import PREFIX
     from nmtcore.tracking.provenance import provenance_tags
 
@@ -84,7 +85,17 @@ def rediagnose_sweep(sweep: str, tracking_uri: str | os.PathLike | None = None, 
     runs = [r for r in sweep_children(parent.run_id, uri) if trial_state(r) == "complete"]
     if not runs:
         raise RediagnoseError(f"sweep {sweep}: no complete trial to measure")
-    checkpoints = {r.run_id: tested_checkpoint(r, uri) for r in runs}  # every one found before the first measure
+    checkpoints, missing = {}, []  # every one looked for before the first measure
+    for r in runs:
+        try:
+            checkpoints[r.run_id] = tested_checkpoint(r, uri)
+        except LengthCheckError as e:  # a copied or imported trial: its weights stayed where it trained
+            missing.append(str(e))
+    if not checkpoints:
+        raise RediagnoseError(f"sweep {sweep}: no complete trial's weights on this machine ({missing[0]})")
+    for line in missing:
+        say(f"rediagnose: skipped, {line}")
+    runs = [r for r in runs if r.run_id in checkpoints]
     tests = schema.SweepTags.from_tags(parent.tags, default_name=sweep).test_splits
     code = provenance_tags({}).get(schema.GIT_SHA, "?")
     logged: dict[str, list[str]] = {}
