@@ -184,16 +184,16 @@ def main() -> int:
         setup_torch(cfg)
         data = prepare_data(cfg.data)
         print(f"threads={torch.get_num_threads()} torch {torch.__version__}", flush=True)
-        for precision in args.precisions.split(",") if args.loop else ():
+        for precision in args.precisions.split(","):
+            if not args.loop:
+                for compiled in ((False, True) if args.compile else (False,)):
+                    profile_precision(args, vs_fairseq, precision, data, compiled)
             for r in range(args.loop):
                 for i, way in enumerate(LOOP_WAYS):
                     fig = loop_round(args, vs_fairseq, precision, data, way, Path(args.out) / f"loop-{precision}-{r}-{i}")
                     print(f"loop[{precision}] round {r + 1} {way}: tgt_tok_per_s={fig['tgt_tok_per_s']:.0f} "
                           f"outside_steps_s={fig['outside_steps_s']:.2f} step_ms_median={fig['step_ms_median']:.0f} "
                           f"updates={fig['updates']} load={os.getloadavg()[0]:.2f}", flush=True)
-        for precision in args.precisions.split(",") if not args.loop else ():
-            for compiled in ((False, True) if args.compile else (False,)):
-                profile_precision(args, vs_fairseq, precision, data, compiled)
     return 0
 
 

@@ -222,7 +222,7 @@ def by_process(args: argparse.Namespace) -> int:
 def with_option(argv: list[str], option: str, value: str) -> list[str]:
     """``argv`` with ``option`` set to ``value`` (replacing ``option value`` or ``option=value``, else added)."""
     out, skip = [], False
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
         elif arg == option:

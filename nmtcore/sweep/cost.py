@@ -461,9 +461,9 @@ def probe(cfg: ExperimentConfig, data: PreparedData, threads: int) -> Speed:
     random values of their shape there (:func:`~nmtcore.bert.layer.synthetic_features`: the model reads them as it
     reads real ones, and the probe does not run BERT over its sentences; what building the real ones costs,
     :func:`feature_rate` times). The training speeds are those of the real epoch's batches: the probe's few
-    batches, cut from a pool of some two thousand sentences, hold more padding than an epoch's over the whole
-    split (Multi30k at 4096 tokens: 87% of their padded positions are tokens against 96%), and an update's time
-    follows its padded positions, so the measured tokens/s are scaled by the two fills (:func:`token_fill`).
+    batches, cut from a small pool of the training split, hold more padding than an epoch's over the whole split
+    (docs/performance.md), and an update's time follows its padded positions, so the measured tokens/s are scaled
+    by the two fills (:func:`token_fill`).
     ``cfg``'s BERT must exist (:func:`nmtcore.bert.ensure_bert`). Restores torch's thread count."""
     from nmtcore.bert.layer import synthetic_features
     from nmtcore.engine import build_trainer
