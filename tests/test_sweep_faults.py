@@ -209,6 +209,7 @@ def test_out_of_memory_trial_fails_with_reason_and_the_other_completes(ray_clust
 
 # ------------------------------------------------------------------------------- 3. load
 TRIAL_PROCESSES = ("ray::ImplicitFunc", "ray::TrainController", "ray::RayTrainWorker")
+EXITING_S = 5.0  # how long an actor Tune has let go (its CPUs freed) may take to exit
 
 
 class PeakRSS(threading.Thread):
@@ -224,6 +225,7 @@ class PeakRSS(threading.Thread):
         self.peak_procs = 0
         self.peak_kinds: dict[str, int] = {}
         self.samples = 0
+        self.trial_pids: list[tuple[float, dict[int, str]]] = []  # per sample: its time, the trial processes
         self._stop_event = threading.Event()
         import ray
 
@@ -256,6 +258,8 @@ class PeakRSS(threading.Thread):
         with_pss = self.samples % self.pss_every == 0
         total = pss = 0
         kinds: dict[str, int] = {}
+        trial: dict[int, str] = {}
+        t = time.monotonic()
         for p in procs.values():
             try:
                 if with_pss:
@@ -267,6 +271,9 @@ class PeakRSS(threading.Thread):
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             kinds[kind] = kinds.get(kind, 0) + 1
+            if kind.startswith(TRIAL_PROCESSES):
+                trial[p.pid] = kind
+        self.trial_pids.append((t, trial))
         self.samples += 1
         self.peak_pss = max(self.peak_pss, pss)
         if total > self.peak:
@@ -280,6 +287,22 @@ class PeakRSS(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=10)
+
+    def trial_processes_at_once(self, exit_s: float) -> tuple[int, int]:
+        """The most trial processes seen in one sample: all of them, and those not in their last ``exit_s``
+        seconds of life. Tune frees an actor's CPUs when it lets the actor go (a trial that ended, a cached actor
+        it evicts), so a successor can start while that process is still exiting, its run already ended; a
+        process seen in a sample and again ``exit_s`` later was not exiting then. Those alive at the last
+        sample count."""
+        last_seen: dict[int, float] = {}
+        for t, pids in self.trial_pids:
+            for pid in pids:
+                last_seen[pid] = t
+        end = self.trial_pids[-1][0] if self.trial_pids else 0.0
+        every = max((len(pids) for _, pids in self.trial_pids), default=0)
+        held = max((sum(1 for pid in pids if last_seen[pid] >= t + exit_s or last_seen[pid] == end)
+                    for t, pids in self.trial_pids), default=0)
+        return every, held
 
 
 def _max_overlap(runs: list[tracking.RunRecord]) -> int:
@@ -321,11 +344,13 @@ def test_twelve_trials_queue_and_complete_without_loss(ray_cluster, store, tmp_p
     running = _max_overlap(children)
     assert 2 <= running <= fits, running  # queued: never more at once than fit, but more than one
     assert rss.samples >= 10 and rss.peak_procs >= 5, (rss.samples, rss.peak_procs)  # the sampler saw Ray
-    # A one-worker trial trains in its Tune actor, which holds the trial's CPUs: never more training processes
-    # (Tune actors, and Train workers where trials use them) than trials fit.
-    training = sum(n for kind, n in rss.peak_kinds.items() if kind.startswith(("ray::ImplicitFunc",
-                                                                              "ray::RayTrainWorker")))
-    assert 1 <= training <= fits, rss.peak_kinds
+    # A one-worker trial trains in its Tune actor, which holds the trial's CPUs: no Train controller or workers,
+    # and never more trial processes than trials fit, but for actors exiting after Tune has freed their CPUs
+    # (their runs ended: the overlap above counts the runs). CI once saw 5 at the memory peak; Tune reuses 4 here.
+    kinds = {kind for _, pids in rss.trial_pids for kind in pids.values()}
+    assert kinds and all(k.startswith("ray::ImplicitFunc") for k in kinds), kinds
+    every, held = rss.trial_processes_at_once(exit_s=EXITING_S)
+    assert 1 <= held <= fits, (every, held, rss.peak_kinds)
     assert rss.peak_pss < 12 * GiB, rss.peak_pss / GiB  # the footprint: ~7.3 GiB measured
     assert rss.peak < 20 * GiB, rss.peak / GiB  # shared pages counted once per process: 11-12 GiB measured
     # No trial's processes outlive the sweep (they would hold memory until the cluster ends).
@@ -338,4 +363,21 @@ def test_twelve_trials_queue_and_complete_without_loss(ray_cluster, store, tmp_p
           f"{c['lost']} lost; {len(children)} child runs FINISHED; at most {running} running at once "
           f"(cpus_per_trial 0.5, {fits} fit); wall {wall:.0f} s; peak RSS {rss.peak / GiB:.2f} GiB over "
           f"{rss.peak_procs} processes (driver + Ray: {rss.peak_kinds}), peak PSS {rss.peak_pss / GiB:.2f} GiB, "
-          f"{rss.samples} samples; trial processes gone {left_s:.0f} s after the sweep")
+          f"{rss.samples} samples; trial processes at once {held} ({every} counting those exiting); trial "
+          f"processes gone {left_s:.0f} s after the sweep")
+
+
+def test_an_exiting_actor_beside_its_successor_is_not_counted_and_a_fifth_trainer_is():
+    """The load test's process count, on made-up samples (0.5 s apart): four actors for the whole sweep and one
+    let go that is still exiting 2 s into its successor's life count 4; a fifth actor that lives on counts 5."""
+    def sampler(timeline: list[tuple[float, dict[int, str]]]) -> PeakRSS:
+        rss = PeakRSS.__new__(PeakRSS)  # no sampling thread, no Ray session: only the samples
+        rss.trial_pids = timeline
+        return rss
+
+    actor = "ray::ImplicitFunc.train"
+    four = {pid: actor for pid in range(4)}
+    exiting = [(i / 2, {**four, **({9: actor} if 20 <= i < 24 else {})}) for i in range(60)]
+    assert sampler(exiting).trial_processes_at_once(exit_s=EXITING_S) == (5, 4)
+    staying = [(i / 2, {**four, **({9: actor} if i >= 20 else {})}) for i in range(60)]
+    assert sampler(staying).trial_processes_at_once(exit_s=EXITING_S) == (5, 5)
