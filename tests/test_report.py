@@ -25,17 +25,17 @@ def hyps(quality: float, seed: int) -> list[str]:
 
 
 def add_trial(parent, tmp, seed, index, label, quality, values=None, control=False, state="complete", curves=None,
-              stopped_by="patience", diagnostics=None, nll=None, params=None):
+              stopped_by="patience", diagnostics=None, nll=None, params=None, more_tags=None):
     """One child run as a sweep leaves it; ``quality`` a float (hypotheses of that quality) or a list of hypotheses;
     ``curves``: (validation losses, validation BLEUs) per epoch instead of the default three epochs; ``stopped_by``
     the rule that ended it (None: not recorded); ``diagnostics``: nmtcore.diagnostics figures; ``nll``: {epoch:
     (training NLL, validation NLL)}, logged as the trainer does (either may be None: not logged that epoch);
-    ``params``: more config parameters to log."""
+    ``params``: more config parameters to log; ``more_tags``: more tags, or other values of the ones set here."""
     key = label.replace(" ", "_")
     tags = {lifecycle.SWEEP_TAG: "toy", lifecycle.ROLE_TAG: "trial", lifecycle.TRIAL_KEY_TAG: f"{key}-{seed}",
             "nmtcore.config_key": key, "nmtcore.seed": seed, "nmtcore.tune_trial_id": f"abc_{index:05d}",
             lifecycle.ARM_TAG: label, lifecycle.CONTROL_TAG: str(control).lower()}
-    tags.update({f"varied.{k}": v for k, v in (values or {}).items()})
+    tags.update({f"varied.{k}": v for k, v in (values or {}).items()}, **(more_tags or {}))
     run = parent.child(run_name=f"{label} seed {seed}", tags=tags)
     run.log_params({"data.tgt_lang": LANG, "model.bert.name": "" if control else "minilm", **(params or {})})
     h = quality if isinstance(quality, list) else hyps(quality, seed)
@@ -620,6 +620,92 @@ def test_a_report_pools_the_seeds_of_several_sweeps_of_one_study(tmp_path, capsy
     assert json.loads((out / "report.json").read_text())["pooled"] == ["runA", "runB"]
     assert [r["n_seeds"] for r in json.loads((out / "table.json").read_text())] == [2, 2]
     assert not [a for a in tracking.list_artifacts(first.run_id, uri) if a.startswith("report")]
+
+
+def _bert_run(sweep: str, config: str, by_size: bool, cache: str = "/c", resolved: str = "minilm:L4",
+              layers: int = 4, **params) -> dict:
+    """add_trial's arguments for a BERT-fused run that names its BERT by name or by size (what a registry resolved
+    it to in its tags, its files under its machine's BERT cache)."""
+    naming = ({"model.bert.name": "", "model.bert.layers": str(layers), "model.bert.hidden": "384"} if by_size else
+              {"model.bert.name": resolved, "model.bert.layers": "0", "model.bert.hidden": "0"})
+    return {"params": {**naming, "model.bert.cache_dir": cache, "model.dropout": "0.3", **params},
+            "more_tags": {lifecycle.SWEEP_TAG: sweep, "nmtcore.config_key": config, schema.BERT_RESOLVED: resolved,
+                          schema.BERT_LAYERS: str(layers), schema.BERT_HIDDEN: "384", schema.BERT_TYPE: "bert",
+                          schema.BERT_PATH: f"{cache}/bert/truncated/{resolved.replace(':', '/')}/53aa51"}}
+
+
+def test_one_configuration_two_studies_name_differently_pools_into_one_row(tmp_path, capsys):
+    """A size grid's cell and BERT-fused's arm on the BERT that size resolves to are one configuration:
+    ``--same-arm L4-H384 bert_fused`` pools them (and the studies' controls) into one row each, over both studies'
+    seeds; it refuses a pair that differs in a setting that decides a result, another BERT, or an arm it cannot
+    find, and without it sweeps of two studies do not pool."""
+    from nmtcore.cli.main import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    control = {"params": {"model.dropout": "0.3"}, "control": True}
+    grid = _sweep(uri, "grid", varied="model.bert.layers,model.bert.hidden", study="bert_size_grid", baseline_run="b")
+    add_trial(grid, tmp_path, 1, 0, "control", 0.3, **control)
+    add_trial(grid, tmp_path, 1, 1, "L4-H384", 0.8, {"model.bert.layers": 4, "model.bert.hidden": 384},
+              **_bert_run("grid", "L4-H384", by_size=True))
+    add_trial(grid, tmp_path, 1, 2, "L2-H384", 0.5, {"model.bert.layers": 2, "model.bert.hidden": 384},
+              **_bert_run("grid", "L2-H384", by_size=True, resolved="minilm:L2", layers=2))
+    grid.end()
+    benefit = _sweep(uri, "benefit", study="bert_benefit", baseline_run="b2")
+    add_trial(benefit, tmp_path, 2, 0, "control", 0.35, **control)
+    # the same BERT files, under another machine's cache
+    add_trial(benefit, tmp_path, 2, 1, "bert_fused", 0.75, {"arm": "bert_fused"},
+              **_bert_run("benefit", "fused-key", by_size=False, cache="/d"))
+    add_trial(benefit, tmp_path, 1, 2, "bert_fused", 0.1, {"arm": "bert_fused"},  # seed 1 again: the grid's counts
+              **_bert_run("benefit", "fused-key", by_size=False, cache="/d"))
+    benefit.end()
+
+    with pytest.raises(tracking.TrackingError, match="their study differ .* say which with --same-arm A B"):
+        results.build_report(["grid", "benefit"], uri, n_bootstrap=0)
+    alone = results.build_report("grid", uri, n_bootstrap=0)
+    rep = results.build_report(["grid", "benefit"], uri, n_bootstrap=200, same_arms=[("L4-H384", "bert_fused")])
+    assert [g.label for g in rep.groups] == ["control", "L4-H384", "L2-H384"], [g.label for g in rep.groups]
+    ctrl, fused, small = rep.groups
+    assert set(ctrl.bleu[SPLIT]) == set(fused.bleu[SPLIT]) == {"1", "2"} and set(small.bleu[SPLIT]) == {"1"}
+    assert fused.bleu[SPLIT]["1"] == alone.groups[1].bleu[SPLIT]["1"]  # the grid's seed 1, not the duplicate's
+    assert fused.comparisons[SPLIT].pooled_seeds == 2 and fused.comparisons[SPLIT].p_seeds is not None
+    assert fused.comparisons[SPLIT].delta > 10 and small.comparisons[SPLIT].pooled_seeds == 1
+    assert rep.joined == ["`bert_fused` (config fused-key, benefit) joins `L4-H384` (config L4-H384, grid)"]
+    assert any(w.startswith("bert_fused seed 1 (benefit) is also L4-H384's seed 1: L4-H384's run is used")
+               for w in rep.warnings), rep.warnings
+    assert rep.study == "bert_size_grid + bert_benefit"
+    assert "Rows joined across studies (`--same-arm`)" in report.render_markdown(rep)
+
+    def refused(name: str, *runs: tuple, same=(("L4-H384", "bert_fused"),)) -> str:
+        other = _sweep(uri, name, study="bert_benefit", baseline_run="b3")
+        for seed, label, kwargs in runs:
+            add_trial(other, tmp_path, seed, 0 if label == "control" else 1, label, 0.6,
+                      None if label == "control" else {"arm": label}, **kwargs)
+        other.end()
+        with pytest.raises(tracking.TrackingError) as e:
+            results.build_report(["grid", name], uri, n_bootstrap=0, same_arms=same)
+        return str(e.value)
+
+    dropout = {"model.dropout": "0.1"}
+    why = refused("other-dropout", (3, "bert_fused", _bert_run("other-dropout", "k1", False, **dropout)))
+    assert why == ("--same-arm L4-H384 bert_fused: `L4-H384` (config L4-H384, grid) and `bert_fused` (config k1, "
+                   "other-dropout) are not one configuration: model.dropout '0.3' against '0.1'"), why
+    why = refused("other-bert", (3, "bert_fused", _bert_run("other-bert", "k2", False, resolved="mpnet:L4")))
+    assert "not one configuration: nmtcore.bert_resolved 'minilm:L4' against 'mpnet:L4', BERT files" in why, why
+    why = refused("no-arm", (3, "bert_fused", _bert_run("no-arm", "k3", False)), same=(("L4-H384", "fused"),))
+    assert why.startswith("--same-arm L4-H384 fused: no arm named 'fused' in these sweeps (their rows: control, "), why
+    why = refused("other-control", (3, "control", {"params": {"model.dropout": "0.1"}, "control": True,
+                                                     "more_tags": {"nmtcore.config_key": "control-0.1"}}),
+                  (3, "bert_fused", _bert_run("other-control", "k4", False)))
+    assert why.startswith("the controls: `control` (config control, "), why
+    assert why.endswith("are not one configuration: model.dropout '0.3' against '0.1'"), why
+
+    out = tmp_path / "joined"
+    assert main(["report", "--sweep", "grid", "--sweep", "benefit", "--same-arm", "L4-H384", "bert_fused",
+                 "--tracking-uri", uri, "--out", str(out), "--bootstrap", "100"]) == 0
+    capsys.readouterr()
+    written = json.loads((out / "report.json").read_text())
+    assert written["joined"] == rep.joined and written["pooled"] == ["grid", "benefit"]
+    assert [r["n_seeds"] for r in json.loads((out / "table.json").read_text())] == [2, 2, 1]
 
 
 def test_a_sweep_exported_and_imported_into_another_store_gives_the_same_report(sweep_store, tmp_path, capsys):

@@ -104,7 +104,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from nmtcore.sweep import report
 
     sweeps = args.sweep if len(args.sweep) > 1 else args.sweep[0]
-    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap, against=args.against)
+    rep = report.build_report(sweeps, tracking_uri=args.tracking_uri, n_bootstrap=args.bootstrap, against=args.against,
+                              same_arms=[tuple(pair) for pair in args.same_arm])
     out = Path(args.out or Path("reports") / "+".join(args.sweep))
     if args.against and not args.out:
         out = out / f"against-{args.against}"
@@ -288,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="a sweep's table and figures, from MLflow alone")
     rp.add_argument("--sweep", required=True, action="append",
                     help="the sweep's name or its MLflow parent run id; given again, one report over the sweeps' runs "
-                         "pooled (the same study run again with other seeds)")
+                         "pooled (the same study run again with other seeds; other studies' with --same-arm)")
     rp.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or a local sqlite store)")
     rp.add_argument("--out", help="output folder (default: reports/<sweep>)")
     rp.add_argument("--bootstrap", type=int, default=1000, help="paired-bootstrap samples (0 = no p-values)")
@@ -297,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compare every configuration with this arm instead of the control (e.g. an ablation's full "
                          "model, the paper's own reference row); written to <out>/against-<ARM> and not attached to "
                          "the sweep's run, whose report stays the one against the control")
+    rp.add_argument("--same-arm", metavar=("A", "B"), nargs=2, action="append", default=[],
+                    help="pool sweeps of different studies where their arm A and arm B are one configuration under two "
+                         "names (a size grid's L4-H384 and BERT-fused's bert_fused on the BERT that size resolves "
+                         "to): B's runs join A's row, the controls join one row; refused unless both are one "
+                         "configuration but for seed and BERT naming. Repeatable")
     rp.set_defaults(func=cmd_report)
 
     ex = sub.add_parser("export", help="a sweep's MLflow record (runs, metrics, the report's artifacts) in one file, "

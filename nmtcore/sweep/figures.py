@@ -157,7 +157,8 @@ def _heatmap(report: SweepReport, rows_key: str, cols_key: str, path: Path, plt:
 
 def _curve(report: SweepReport, x_key: str, path: Path, plt: Any) -> Path:
     split = report.test_splits[0]
-    pts = sorted(((g.values.get(x_key), g) for g in report.groups if not g.control and g.bleu.get(split)),
+    pts = sorted(((g.values[x_key], g) for g in report.groups  # an arm of another study may not vary x_key
+                  if not g.control and g.bleu.get(split) and g.values.get(x_key) is not None),
                  key=lambda t: sort_key(t[0]))
     fig, ax = plt.subplots(figsize=(6, 4))
     if pts:

@@ -164,6 +164,10 @@ def render_markdown(report: SweepReport) -> str:
         head += [f"Pooled over the sweeps {', '.join(f'`{n}`' for n in report.pooled)}: their runs of the same "
                  "configuration are one row, each seed once (the parent run above is the first sweep's). Each "
                  "sweep's own report has its cost estimate and time split.", ""]
+    if report.joined:
+        head += ["Rows joined across studies (`--same-arm`), each checked to be one configuration but for its seed "
+                 "and how it names its BERT (every setting that decides a result, the data's checksums, the BERT it "
+                 "resolved to): " + "; ".join(report.joined) + ".", ""]
     if report.added_test_splits:
         head += [f"Decoded after the sweep by `nmtcore retest`: {', '.join(report.added_test_splits)} (each trial's "
                  "tested weights with its own decoding settings, as its trial decoded its test sets).", ""]
@@ -512,7 +516,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
-            "reused": report.reused(), "shared_phases": report.shared_phases(),
+            "joined": report.joined,            "reused": report.reused(), "shared_phases": report.shared_phases(),
             "fit": {g.label: [dataclasses.asdict(f) for f in g.fit] for g in report.groups if g.fit},
             "predictions": [{**c.prediction.describe(), "source": c.source, "value": c.value, "held": c.held,
                              "verdict": c.verdict(), "why": c.why, "ci": c.ci, "p": c.p, "seeds": c.seeds}

@@ -149,6 +149,7 @@ class SweepReport:
     added_test_splits: list[str] = field(default_factory=list)  # of test_splits, those decoded after the sweep
     rarity_missing: str = ""  # why no arm has a comparison by source-word rarity ("": they have)
     predictions: list["PredictionCheck"] = field(default_factory=list)  # written before the runs, checked here
+    joined: list[str] = field(default_factory=list)  # rows pooled across studies (``same_arms``): what joined what
 
     def estimated_s(self, group: "Group") -> float | None:
         """The estimate's seconds for one of ``group``'s trials (mean over its seeds), or None."""
@@ -204,7 +205,8 @@ _FINISHED = (TrialState.COMPLETE.value, TrialState.STOPPED_EARLY.value)  # a tri
 
 
 def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | None = None, n_bootstrap: int = 1000,
-                 bootstrap_seed: int = 12345, against: str | None = None) -> SweepReport:
+                 bootstrap_seed: int = 12345, against: str | None = None,
+                 same_arms: Sequence[tuple[str, str]] = ()) -> SweepReport:
     """Collect a sweep's runs from MLflow and compute the tables' numbers (``n_bootstrap`` = 0: no tests).
 
     Every configuration is compared with the control (else the space's reference); ``against`` names another
@@ -215,6 +217,12 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
     tested on the same sets under the same protocol (else :class:`TrackingError`), e.g. the same study run
     again with other seeds (``--arms-set train.seed=2``). Runs group by their config key, as within a sweep;
     a (config, seed) found in more than one sweep counts once, the first sweep's, with a warning.
+
+    ``same_arms``, pairs of arm names (A, B), pools sweeps of different studies where one configuration is an arm
+    of each under two names (a size grid's cell ``L4-H384`` is BERT-fused's ``bert_fused`` on the BERT that size
+    resolved to): B's runs join A's row, and the studies' controls join one row. Each joined pair must be one
+    configuration but for its seed and how it names its BERT (:func:`configuration_differs`), else
+    :class:`TrackingError`; the test sets and protocol must still match; a seed both have counts once, A's.
 
     The predictions each sweep recorded (its space, tagged when it started or last resumed) are checked
     (:func:`check_predictions`)."""
@@ -229,13 +237,18 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         for what in ("study", "varied_keys", "all_test_splits", "protocol"):
             if what == "protocol" and same_protocol(other.protocol, recorded.protocol):
                 continue
+            if same_arms and what in ("study", "varied_keys"):  # arms named alike across studies
+                continue
             if getattr(other, what) != getattr(recorded, what):
                 words = "test splits" if what == "all_test_splits" else what.replace("_", " ")
+                hint = ("; where an arm of one is an arm of the other under another name, say which with "
+                        "--same-arm A B" if what == "study" else "")
                 raise tracking.TrackingError(
                     f"cannot pool sweeps {recorded.name!r} and {other.name!r}: their {words} differ "
-                    f"({getattr(recorded, what)!r} against {getattr(other, what)!r})")
+                    f"({getattr(recorded, what)!r} against {getattr(other, what)!r}){hint}")
     space = recorded.space_description
-    varied, splits = list(recorded.varied_keys), list(recorded.all_test_splits)
+    varied = list(dict.fromkeys(k for r in records for k in r.varied_keys))
+    splits = list(recorded.all_test_splits)
     metric = space.get("metric", "valid_bleu")
     warnings: list[str] = []
     by_key: dict[str, list[tracking.RunRecord]] = {}
@@ -269,6 +282,7 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
                                 f"{_both_tested(kept[(key, seed), chosen], run, chosen, name, splits)}")
                 continue
             by_key.setdefault(key, []).append(run)
+    joined = _join_same_arms(by_key, same_arms, varied, warnings) if same_arms else []
     curves = {r.run_id: _valid_curves(r, uri) for runs in by_key.values() for r in runs}
     histories = {run_id: list(c["valid_loss"].values()) for run_id, c in curves.items()}
     phased = any("phase" in r.metrics for runs in by_key.values() for r in runs)
@@ -324,7 +338,8 @@ def build_report(sweep: str | Sequence[str], tracking_uri: str | os.PathLike | N
         with contextlib.suppress(tracking.TrackingError, OSError, ValueError):  # sweeps from before estimates: none
             estimate = json.loads(tracking.read_artifact_text(parent.run_id, "estimate.json", uri))
     return SweepReport(sweep=" + ".join(r.name for r in records), parent_run_id=parent.run_id, tracking_uri=uri,
-                       study=recorded.study, space=space, varied_keys=varied, metric=metric,
+                       study=" + ".join(dict.fromkeys(r.study for r in records)), joined=joined, space=space,
+                       varied_keys=varied, metric=metric,
                        test_splits=splits, added_test_splits=added, rarity_missing=rarity_missing,
                        # pooled: a line naming the shared baseline's key over one that does not (a resumed sweep's)
                        protocol=next((r.protocol for r in records if UNKEYED_START not in r.protocol),
@@ -528,13 +543,104 @@ def bleu_still_rising(valid_bleus: list[float], tolerance: float = 0.1) -> bool:
     return len(valid_bleus) >= 2 and valid_bleus[-1] > max(valid_bleus[:-1]) + tolerance
 
 
+def _values(run: tracking.RunRecord, varied: list[str]) -> dict[str, Any]:
+    """A trial run's values of the varied keys ({} for the control)."""
+    if run.tags.get(CONTROL_TAG) == "true":
+        return {}
+    return {k: _parse(run.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in run.tags}
+
+
+def _label(run: tracking.RunRecord, varied: list[str]) -> str:
+    """A trial run's row name: the control, its arm's name, else its varied values."""
+    if run.tags.get(CONTROL_TAG) == "true":
+        return CONTROL
+    return run.tags.get(ARM_TAG) or ", ".join(f"{short(k)}={fmt(v)}" for k, v in _values(run, varied).items()) or "base"
+
+
+# How a run names its BERT: by name, or by size (which a registry resolves to a name, recorded in its tags).
+BERT_NAMING = ("model.bert.name", "model.bert.layers", "model.bert.hidden", "model.bert.pretrain_corpus")
+BERT_IDENTITY = (schema.BERT_RESOLVED, schema.BERT_LAYERS, schema.BERT_HIDDEN, schema.BERT_TYPE)
+
+
+def configuration_differs(a: tracking.RunRecord, b: tracking.RunRecord) -> str:
+    """"" where two trial runs are one configuration but for their seed, their arm's name and how they name their
+    BERT; else what differs. Compared: every param that decides a result (not where it writes, what only speed
+    depends on, nor the path of its starting weights: :data:`~nmtcore.sweep.reuse.NOT_RESULTS`), the data's
+    checksums, and the BERT each resolved to: its name, size, type and its files under the BERT cache."""
+    from nmtcore.sweep.reuse import NOT_RESULTS
+
+    skip = {*NOT_RESULTS, "arm", "train.seed", *BERT_NAMING}
+    diffs = [(k, a.params.get(k), b.params.get(k)) for k in sorted(set(a.params) | set(b.params))
+             if k not in skip and a.params.get(k) != b.params.get(k)]
+    tags = [t for t in sorted(set(a.tags) | set(b.tags)) if t.startswith(schema.CHECKSUM_PREFIX)]
+    diffs += [(t, a.tags.get(t), b.tags.get(t)) for t in (*BERT_IDENTITY, *tags) if a.tags.get(t) != b.tags.get(t)]
+    files = _bert_files(a), _bert_files(b)
+    if files[0] != files[1]:
+        diffs.append(("BERT files", *files))
+    shown = ", ".join(f"{k} {x!r} against {y!r}" for k, x, y in diffs[:4])
+    return shown + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+
+
+def _bert_files(run: tracking.RunRecord) -> str:
+    """Where a run's BERT came from, relative to its BERT cache (the same files on two machines), "" without one."""
+    path, cache = run.tags.get(schema.BERT_PATH, ""), run.params.get("model.bert.cache_dir", "")
+    if path and cache and os.path.normpath(path).startswith(os.path.normpath(cache) + os.sep):
+        return os.path.relpath(path, cache)
+    return path
+
+
+def _join_same_arms(by_key: dict[str, list[tracking.RunRecord]], pairs: Sequence[tuple[str, str]],
+                    varied: list[str], warnings: list[str]) -> list[str]:
+    """Join, in ``by_key``, the rows ``pairs`` name alike (B's runs into A's) and the studies' controls; each join
+    checked by :func:`configuration_differs`. Returns a line per join."""
+    labels = {key: _label(runs[0], varied) for key, runs in by_key.items()}
+    arms = ", ".join(dict.fromkeys(labels.values()))
+    sets = [("the controls", [k for k, label in labels.items() if label == CONTROL])]
+    for a, b in pairs:
+        keys = {name: [k for k, label in labels.items() if label == name] for name in (a, b)}
+        missing = [repr(name) for name, ks in keys.items() if not ks]
+        if missing:
+            raise tracking.TrackingError(f"--same-arm {a} {b}: no arm named {' or '.join(missing)} in these "
+                                         f"sweeps (their rows: {arms})")
+        sets.append((f"--same-arm {a} {b}", keys[a] + keys[b]))
+    into: dict[str, str] = {}  # a joined key -> the key it joined
+
+    def home(key: str) -> str:
+        while key in into:
+            key = into[key]
+        return key
+
+    def where(key: str) -> str:
+        sweeps = dict.fromkeys(r.tags.get(schema.SWEEP, "?") for r in by_key[key])
+        return f"`{labels[key]}` (config {key}, {', '.join(sweeps)})"
+
+    joined = []
+    for what, keys in sets:
+        keys = list(dict.fromkeys(home(k) for k in keys))
+        for other in keys[1:]:
+            target = keys[0]
+            why = configuration_differs(by_key[target][0], by_key[other][0])
+            if why:
+                raise tracking.TrackingError(f"{what}: {where(target)} and {where(other)} are not one "
+                                             f"configuration: {why}")
+            joined.append(f"{where(other)} joins {where(target)}")
+            seeds = {r.tags.get(SEED_TAG, "") for r in by_key[target]}
+            for run in by_key.pop(other):
+                seed = run.tags.get(SEED_TAG, "")
+                if seed in seeds:
+                    warnings.append(f"{labels[other]} seed {seed} ({run.tags.get(schema.SWEEP, '?')}) is also "
+                                    f"{labels[target]}'s seed {seed}: {labels[target]}'s run is used")
+                    continue
+                by_key[target].append(run)
+            into[other] = target
+    return joined
+
+
 def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: list[str], metric: str,
            curves: dict[str, dict[str, dict[int, float]]], extra: list[str], phased: bool = False, uri: str = "") -> Group:
     first = runs[0]
     control = first.tags.get(CONTROL_TAG) == "true"
-    values = {} if control else {k: _parse(first.tags[f"varied.{k}"]) for k in varied if f"varied.{k}" in first.tags}
-    label = CONTROL if control else first.tags.get(ARM_TAG) or ", ".join(f"{short(k)}={fmt(v)}"
-                                                                          for k, v in values.items()) or "base"
+    values, label = _values(first, varied), _label(first, varied)
     g = Group(config_key=key, label=label, control=control, values=values, runs=runs,
               order=min(_trial_index(r) for r in runs))
     p = first.params
