@@ -516,7 +516,7 @@ def _to_json(report: SweepReport) -> dict[str, Any]:
             "not_an_answer": report.not_an_answer(), "baseline_converged": report.baseline_converged,
             "rows": json_rows(report), "run_ids": {g.label: [r.run_id for r in g.runs] for g in report.groups},
             "warnings": report.warnings, "time_split": report.time_split, "pooled": report.pooled,
-            "joined": report.joined,            "reused": report.reused(), "shared_phases": report.shared_phases(),
+            "joined": report.joined, "reused": report.reused(), "shared_phases": report.shared_phases(),
             "fit": {g.label: [dataclasses.asdict(f) for f in g.fit] for g in report.groups if g.fit},
             "predictions": [{**c.prediction.describe(), "source": c.source, "value": c.value, "held": c.held,
                              "verdict": c.verdict(), "why": c.why, "ci": c.ci, "p": c.p, "seeds": c.seeds}
