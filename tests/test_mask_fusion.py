@@ -6,6 +6,7 @@ M0 only where documented, θ validation, and the warm start from a baseline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -416,6 +417,94 @@ def test_ablations_differ_from_m0_only_where_documented(small_batch):
         m1.load_state_dict({k: v for k, v in m0.state_dict().items() if not k.startswith("layer_fusion.")})
         m0.layer_fusion.forward = lambda states: states[:, :, -1]  # type: ignore[method-assign]
         torch.testing.assert_close(m1(batch).logits, m0(batch).logits)
+
+
+# ---------------------------------------------------------------------- what a trained model draws from BERT
+def trained_like(name: str = "mask_fusion", seed: int = 0, **fields):
+    """A mask-fusion variant whose every BERT path is live: the GLU and Eq. 3's query away from their inits, θ
+    high enough that the small batch has masked and unmasked tokens."""
+    m = mf(name, seed, **{"mask_threshold": 0.2, **fields})
+    with torch.no_grad():
+        if m.layer_fusion is not None:
+            m.layer_fusion.proj.weight.normal_()
+    return m
+
+
+def test_inference_switches_turn_off_each_way_in_and_restore(small_batch):
+    m0 = trained_like()
+    batch = with_inputs(m0, small_batch)
+    switches = m0.inference_switches()
+    assert list(switches) == ["tested", "mask_off", "gate_bert_off", "adaptive_off", "bert_off"]
+    assert list(mf("mask_fusion_m2").inference_switches()) == ["tested", "gate_bert_off", "adaptive_off", "bert_off"]
+    assert list(mf("mask_fusion_m3").inference_switches()) == ["tested", "mask_off", "gate_bert_off", "bert_off"]
+    assert list(mf("mask_fusion_m1").inference_switches()) == list(switches)
+
+    def logits(model, switch=None):
+        with torch.no_grad(), (model.inference_switches()[switch]() if switch else contextlib.nullcontext()):
+            return model(batch).logits
+
+    tested = logits(m0)
+    assert bool(m0(batch).knowledge_mask.any()) and not bool(m0(batch).knowledge_mask.all())
+    out = {name: logits(m0, name) for name in switches}
+    torch.testing.assert_close(out["tested"], tested, rtol=0, atol=0)
+    for name in ("mask_off", "gate_bert_off", "adaptive_off", "bert_off"):
+        assert not torch.allclose(out[name], tested), name  # each switch changes what the model computes
+    torch.testing.assert_close(logits(m0), tested, rtol=0, atol=0)  # restored after each block
+    # mask_off is M2 (no mask matrix) with M0's weights; adaptive_off is M3 (no adaptive fusion).
+    for name, switch in (("mask_fusion_m2", "mask_off"), ("mask_fusion_m3", "adaptive_off")):
+        other = trained_like(name)  # θ as M0's
+        other.load_state_dict(m0.state_dict(), strict=False)
+        torch.testing.assert_close(out[switch], logits(other), rtol=0, atol=0)
+    # gate_bert_off is λ = 0 in Eq. 5: the model with Eq. 6's w2 zero.
+    zero_gate = trained_like()
+    zero_gate.load_state_dict(m0.state_dict())
+    with torch.no_grad():
+        zero_gate.knowledge.gate.weight.zero_()
+    torch.testing.assert_close(out["gate_bert_off"], logits(zero_gate), rtol=0, atol=0)
+    # bert_off: nothing of BERT reaches the output; another BERT changes the tested logits, not these.
+    with torch.no_grad():
+        for p in m0.bert.parameters():
+            p.add_(torch.randn_like(p))
+    assert not torch.allclose(logits(m0), tested)
+    torch.testing.assert_close(logits(m0, "bert_off"), out["bert_off"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unknown mask-fusion switch"):
+        with m0.switched_off("glu"):
+            pass
+
+
+def test_usage_figures_are_the_glu_weights_and_the_mean_gates(small_batch):
+    m0 = trained_like()
+    batch = with_inputs(m0, small_batch)
+    usage = m0.bert_usage()
+    n = m0.bert.num_layers
+    w = m0.layer_fusion.proj.weight
+    assert usage == {**{f"glu_value/L{i + 1}": float(w[0, i]) for i in range(n)},
+                     **{f"glu_gate/L{i + 1}": float(w[1, i]) for i in range(n)}}
+    assert mf().bert_usage()[f"glu_value/L{n}"] == 1.0 and mf("mask_fusion_m1").bert_usage() == {}
+
+    with torch.no_grad(), m0.usage_probe() as figures:
+        mask = m0(batch).knowledge_mask
+    real = ~batch.src_mask
+    # By hand: λ (Eq. 6) and η (Eq. 8) from the model's pieces, each token's mean over channels, then over tokens.
+    with torch.no_grad():
+        bert_out = m0.bert(batch)
+        bert = m0.bert_memory(bert_out)
+        e = m0.src_embed(batch.src) * m0.embed_scale + m0.positions(batch.src.size(1))
+        b = m0.knowledge.bert_proj(pool_to_tokens(bert, batch.extras["bert_align"])[0])
+        lam = torch.relu(m0.knowledge.gate(torch.cat([b, e], dim=-1)))
+        with m0.switched_off("adaptive"):
+            e_n = m0.encode(batch).out
+        att = m0.adaptive.attn(e_n, bert, bert_out.mask)
+        eta = torch.sigmoid(m0.adaptive.u(e_n) + m0.adaptive.v(att))
+    assert figures["masked_fraction"] == pytest.approx(float(mask.sum()) / float(real.sum()))
+    assert figures["gate_lambda"] == pytest.approx(float(lam.mean(-1)[real].mean()), rel=1e-5)
+    assert figures["adaptive_eta"] == pytest.approx(float(eta.mean(-1)[real].mean()), rel=1e-5)
+    assert 0 < figures["adaptive_eta"] < 1 and figures["gate_lambda"] > 0
+    assert m0.knowledge.tap is None and m0.adaptive.tap is None  # the probe leaves nothing behind
+    m3 = mf("mask_fusion_m3")
+    with torch.no_grad(), m3.usage_probe() as figures:
+        m3(with_inputs(m3, small_batch))
+    assert set(figures) == {"masked_fraction", "gate_lambda"}
 
 
 # ---------------------------------------------------------------------- warm start (Section 2.4)

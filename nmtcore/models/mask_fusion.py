@@ -58,6 +58,11 @@ Ablations (Table 4) are explicit fields, each also a registered variant (:mod:`n
 M1 ``bert_layers="last"`` (B = B_L, no GLU); M2 ``embedding_fusion="gate"`` (no mask matrix: the new
 embedding is ``E + G``; Table 4's M2 and Table 5's θ = 0 report the same 30.52, i.e. the gate stayed;
 ``"none"`` drops the whole embedding stage); M3 ``adaptive_fusion=false`` (the decoder reads E_N).
+
+What a trained model draws from each of BERT's ways in (:mod:`nmtcore.diagnostics`): inference switches that
+turn the mask, the gate's BERT part, the adaptive fusion or all three off in the tested weights
+(:meth:`MaskFusion.inference_switches`), the GLU's weight per BERT layer (:meth:`MaskFusion.bert_usage`) and,
+over the validation set, the masked fraction and the mean gate weights λ and η (:meth:`MaskFusion.usage_probe`).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, ClassVar, Iterator
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +122,9 @@ class MaskKnowledge(nn.Module):
         super().__init__()
         self.threshold, self.fill, self.scale = threshold, fill, scale
         self.estimator, self.temperature = estimator, temperature
+        # Inference switches (MaskFusion.switched): False = Eq. 4's M all 0 (Ẽ = E) / λ = 0 in Eq. 5 (G = E).
+        self.mask_on = self.bert_gate_on = True
+        self.tap: Callable[[Tensor, Tensor], None] | None = None  # usage probe: called with (λ, src_mask)
         self.mask_query = nn.Linear(bert_dim, d_model) if use_mask else None  # w1, b (Eq. 3)
         if self.mask_query is not None and estimator == "frozen":
             self.mask_query.requires_grad_(False)
@@ -140,10 +148,15 @@ class MaskKnowledge(nn.Module):
     def forward(self, emb: Tensor, cls: Tensor, bert_tok: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
         """emb = E (B, S, C); cls = B_CLS (B, H); bert_tok = B pooled per NMT token (B, S, H).
         Returns the new embedding Ẽ + G (B, S, C) and M (B, S) bool (all False without the mask)."""
-        b = self.bert_proj(bert_tok.to(emb.dtype))  # B w3  (B, S, C)
-        lam = torch.relu(self.gate(torch.cat([b, emb], dim=-1)))  # Eq. 6: λ  (B, S, C)
-        g = lam * b + (1 - lam) * emb  # Eq. 5: G
-        if self.mask_query is None:  # M2: no mask matrix, Ẽ = E
+        if self.bert_gate_on:
+            b = self.bert_proj(bert_tok.to(emb.dtype))  # B w3  (B, S, C)
+            lam = torch.relu(self.gate(torch.cat([b, emb], dim=-1)))  # Eq. 6: λ  (B, S, C)
+            if self.tap is not None:
+                self.tap(lam, src_mask)
+            g = lam * b + (1 - lam) * emb  # Eq. 5: G
+        else:
+            g = emb  # switched off: λ = 0, G = E
+        if self.mask_query is None or not self.mask_on:  # M2 (or switched off): no mask matrix, Ẽ = E
             return emb + g, torch.zeros_like(src_mask)
         a = self.attention(emb, cls, src_mask)  # (B, S)
         m = (a < self.threshold) & ~src_mask  # Eq. 4  (B, S)
@@ -168,11 +181,17 @@ class AdaptiveFusion(nn.Module):
         self.v = nn.Linear(d_model, d_model, bias=False)  # V (Eq. 8)
         nn.init.xavier_uniform_(self.u.weight)
         nn.init.xavier_uniform_(self.v.weight)
+        self.on = True  # inference switch (MaskFusion.switched): False = η = 0, E_out = E_N
+        self.tap: Callable[[Tensor], None] | None = None  # usage probe: called with η
 
     def forward(self, enc: Tensor, bert: Tensor, bert_mask: Tensor) -> Tensor:
         """enc = E_N (B, S, C); bert = B (B, Tb, H), bert_mask (B, Tb) True = padding → E_out (B, S, C)."""
+        if not self.on:
+            return enc
         e_attn = self.attn(enc, bert, bert_mask)  # Eq. 7: E^B_attn  (B, S, C)
         eta = torch.sigmoid(self.u(enc) + self.v(e_attn))  # Eq. 8
+        if self.tap is not None:
+            self.tap(eta)
         return (1 - eta) * enc + eta * e_attn  # Eq. 9
 
 
@@ -215,25 +234,94 @@ class MaskFusion(Transformer):
             query = list(self.knowledge.mask_query.parameters())
         return self.groups(bert=self.bert.parameters(), mask_query=query)
 
+    def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
+        """Decoding as tested and with each of BERT's ways in switched off, those this variant has: ``mask_off``
+        (Eq. 4's M = 0: Ẽ = E, the gate as trained), ``gate_bert_off`` (λ = 0 in Eq. 5: G = E, the mask as
+        trained), ``adaptive_off`` (η = 0 in Eq. 9: the decoder reads E_N) and ``bert_off`` (all of them: the
+        new embedding 2E, no BERT anywhere). ``tested`` minus each is what that way in adds to the tested model.
+
+        A switch keeps the scale the encoder was trained on: with BERT's part removed the embedding stage still
+        adds Ẽ and G (E where BERT's part was), rather than dropping the stage (E alone, which the trained
+        encoder never saw)."""
+        parts = {"mask_off": ("mask",) if self.knowledge is not None and self.knowledge.mask_query is not None
+                 else (),
+                 "gate_bert_off": ("gate",) if self.knowledge is not None else (),
+                 "adaptive_off": ("adaptive",) if self.adaptive is not None else ()}
+        switches: dict[str, tuple[str, ...]] = {"tested": (), **{k: v for k, v in parts.items() if v}}
+        switches["bert_off"] = tuple(p for v in parts.values() for p in v)
+        return {name: (lambda off=off: self.switched_off(*off)) for name, off in switches.items()}
+
+    @contextlib.contextmanager
+    def switched_off(self, *parts: str) -> Iterator[None]:
+        """Inference with these of BERT's ways in switched off (``mask``, ``gate``, ``adaptive``; see
+        :meth:`inference_switches`); restored after the block."""
+        unknown = set(parts) - {"mask", "gate", "adaptive"}
+        if unknown:
+            raise ValueError(f"unknown mask-fusion switch {sorted(unknown)}: mask, gate, adaptive")
+        k, a = self.knowledge, self.adaptive
+        saved = (k.mask_on, k.bert_gate_on) if k is not None else None, a.on if a is not None else None
+        try:
+            if k is not None:
+                k.mask_on, k.bert_gate_on = "mask" not in parts, "gate" not in parts
+            if a is not None:
+                a.on = "adaptive" not in parts
+            yield
+        finally:
+            if k is not None:
+                k.mask_on, k.bert_gate_on = saved[0]
+            if a is not None:
+                a.on = saved[1]
+
+    def bert_usage(self) -> dict[str, float]:
+        """The GLU's weights on each BERT layer (Eq. 1-2, ``W``): ``glu_value/L3`` BERT layer 3's weight in the
+        value channel, ``glu_gate/L3`` in the gate (at init 1 on the last layer's value, 0 elsewhere). None for
+        M1 (BERT's last layer only, no GLU)."""
+        if self.layer_fusion is None:
+            return {}
+        w = self.layer_fusion.proj.weight.detach().float()  # (2, n)
+        return {f"glu_{channel}/L{i + 1}": float(x) for channel, row in zip(("value", "gate"), w)
+                for i, x in enumerate(row)}
+
     @contextlib.contextmanager
     def usage_probe(self) -> Iterator[dict[str, float]]:
-        """``masked_fraction``: the share of real source tokens whose embedding the knowledge matrix masked (Eq. 4)
-        over the forwards in the block; nothing without the embedding stage."""
+        """Over the forwards in the block, per real source token: ``masked_fraction``, the share whose embedding
+        the knowledge matrix masked (Eq. 4); ``gate_lambda``, the mean of Eq. 6's λ (BERT's weight in the gate
+        G, Eq. 5; a ReLU, so unbounded); ``adaptive_eta``, the mean of Eq. 8's η (the weight of the attention
+        over BERT in E_out, Eq. 9). Each only where the variant has its stage."""
         out: dict[str, float] = {}
         counts = [0, 0]  # masked, real
+        sums = {"gate_lambda": [0.0, 0], "adaptive_eta": [0.0, 0]}  # sum over real positions' channel means, count
+        real: list[Tensor] = []  # the current forward's real source positions (B, S)
+
+        def add(name: str, values: Tensor, keep: Tensor) -> None:
+            per_token = values.float().mean(-1)[keep]  # (real tokens,)
+            sums[name][0] += float(per_token.sum())
+            sums[name][1] += per_token.numel()
+
+        def batch_in(module: nn.Module, args: tuple) -> None:
+            real[:] = [~args[0].src_mask]
 
         def count(module: nn.Module, args: tuple, output: ModelOutput) -> None:
             if output.knowledge_mask is not None:
                 counts[0] += int(output.knowledge_mask.sum())
                 counts[1] += int((~args[0].src_mask).sum())
 
-        handle = self.register_forward_hook(count)
+        handles = [self.register_forward_pre_hook(batch_in), self.register_forward_hook(count)]
+        if self.knowledge is not None:
+            self.knowledge.tap = lambda lam, src_mask: add("gate_lambda", lam, ~src_mask)
+        if self.adaptive is not None:
+            self.adaptive.tap = lambda eta: add("adaptive_eta", eta, real[0])
         try:
             yield out
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+            for module in (self.knowledge, self.adaptive):
+                if module is not None:
+                    module.tap = None
         if counts[1]:
             out["masked_fraction"] = counts[0] / counts[1]
+        out.update({name: total / n for name, (total, n) in sums.items() if n})
 
     # ------------------------------------------------------------------ pieces
     def bert_memory(self, bert_out: BertOut) -> Tensor:
