@@ -401,6 +401,9 @@ def test_the_validation_delta_of_the_tested_models_stands_beside_each_test_delta
     add_trial(parent, tmp_path, 1, 1, "fused", 0.8, {"arm": "fused"}, curves=FLAT,
               diagnostics={"valid_bleu/tested": 28.75})
     add_trial(parent, tmp_path, 1, 2, "plain", 0.5, {"arm": "plain"}, curves=FLAT)  # no validation figure: no row
+    # BERT-fused's switches mix its branches: what it is tested with is Eq. 1's mix.
+    add_trial(parent, tmp_path, 1, 3, "mixed", 0.6, {"arm": "mixed"}, curves=FLAT,
+              diagnostics={"valid_bleu/mix": 30.5, "valid_bleu/nmt_only": 29.0})
     parent.end()
     rep = results.build_report("vt", uri, n_bootstrap=200)
     c = next(g for g in rep.groups if g.label == "fused").comparisons[SPLIT]
@@ -408,6 +411,7 @@ def test_the_validation_delta_of_the_tested_models_stands_beside_each_test_delta
     lines = report.valid_beside_test(rep)
     assert lines[0].startswith("**Validation beside test** (Δ against the control")
     assert f"| fused | -1.25 | {c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] |" in lines
+    assert any(line.startswith("| mixed | +0.50 | ") for line in lines)
     assert not any(line.startswith("| plain") for line in lines)
     assert "**Validation beside test**" in report.render_markdown(rep)
     rep.groups[0].diagnostics.clear()

@@ -327,7 +327,14 @@ def diagnostics_table(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
-VALID_TESTED = "valid_bleu/tested"  # the tested model's greedy validation BLEU (nmtcore.diagnostics)
+# The tested model's greedy validation BLEU (nmtcore.diagnostics): the switch "tested", or for BERT-fused,
+# whose switches mix its branches, Eq. 1's "mix" (what it is tested with).
+VALID_TESTED = ("valid_bleu/tested", "valid_bleu/mix")
+
+
+def tested_valid_bleu(g: Any) -> list[float]:
+    """The greedy validation BLEU of the weights each of ``g``'s runs tested (per run; [] where none logged it)."""
+    return next((g.diagnostics[name] for name in VALID_TESTED if g.diagnostics.get(name)), [])
 
 
 def valid_beside_test(report: SweepReport) -> list[str]:
@@ -335,12 +342,12 @@ def valid_beside_test(report: SweepReport) -> list[str]:
     test set, against the reference: sets drawn alike should agree within their noise, and where they part
     the reader sees it next to the test Δ the study's answer rests on. Nothing without the validation figure."""
     ref = report.reference
-    if ref is None or not ref.diagnostics.get(VALID_TESTED):
+    if ref is None or not tested_valid_bleu(ref):
         return []
-    arms = [g for g in report.groups if g is not ref and g.diagnostics.get(VALID_TESTED)]
+    arms = [g for g in report.groups if g is not ref and tested_valid_bleu(g)]
     if not arms:
         return []
-    base = mean(ref.diagnostics[VALID_TESTED])
+    base = mean(tested_valid_bleu(ref))
     lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over seeds): the validation set's greedy "
              "BLEU of the model each run tested, beside the test sets' Δ (beam search, the tables above). The "
              "validation set chose when each run stopped, so it leans its way; a test set whose Δ parts from it by "
@@ -348,7 +355,7 @@ def valid_beside_test(report: SweepReport) -> list[str]:
              "| arm | Δ validation (greedy) | " + " | ".join(f"Δ {split}" for split in report.test_splits) + " |",
              "|---|---|" + "|".join("---" for _ in report.test_splits) + "|"]
     for g in arms:
-        cells = [f"{mean(g.diagnostics[VALID_TESTED]) - base:+.2f}"]
+        cells = [f"{mean(tested_valid_bleu(g)) - base:+.2f}"]
         for split in report.test_splits:
             c = g.comparisons.get(split)
             cells.append("—" if c is None or c.delta is None else
