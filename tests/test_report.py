@@ -112,6 +112,7 @@ def test_control_first_then_deltas_intervals_p_values_and_statuses(sweep_store):
     assert failed.status == {"complete": 1, "failed": 1} and len(failed.bleu[SPLIT]) == 1
     assert stopped.status == {"complete": 1, "stopped_early": 1}
     c = stopped.comparisons[SPLIT]  # much better hypotheses than the control: a clear, significant gain
+    c_stopped = c.delta
     assert c.delta > 10 and c.p < 0.05 and c.pooled_seeds == 1 and c.significant and c.ci_low > 0
     c = same.comparisons[SPLIT]  # the control's own hypothesis quality, the same seeds: no difference at all
     assert c.delta == 0 and c.p == 1.0 and (c.ci_low, c.ci_high) == (0.0, 0.0) and not c.significant
@@ -119,6 +120,8 @@ def test_control_first_then_deltas_intervals_p_values_and_statuses(sweep_store):
     rows = report.table_rows(rep)
     assert rows[0]["arm"] == "control" and rows[0]["p"] == "ref" and " ± " in rows[0]["BLEU"]
     assert rows[4]["trials"] == "1 complete, 1 stopped_early"
+    # Two control seeds, one of this arm's: Δ pairs one, and says so; an arm with the control's seeds does not.
+    assert rows[4]["ΔBLEU"] == f"{c_stopped:+.2f} (1 paired seed)" and rows[1]["ΔBLEU"] == "+0.00"
     assert rows[3]["params (M)"] == "2.00" and rows[1]["BERT"] == "minilm" and rows[0]["BERT"] == "—"
     assert any("NonFiniteLossError" in w for w in rep.warnings)
     js = report.json_rows(rep)

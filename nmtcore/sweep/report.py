@@ -74,7 +74,7 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
                     g.bleu.get(split, {})), "chrf_mean": mean(chrfs), "bp_mean": mean(bps),
                 "len_ratio_mean": mean(lens), "precisions_mean": _mean_precisions(g.precisions.get(split, {})),
                 "delta": 0.0 if g is report.reference else c.delta, "ci_low": c.ci_low, "ci_high": c.ci_high,
-                "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant,
+                "p": c.p, "p_seeds": c.p_seeds, "significant": c.significant, "paired_seeds": c.pooled_seeds,
                 "epochs": mean([float(e) for e in g.epochs]), "updates": mean(g.updates),
                 "wall_min": (mean(g.wall_s) or 0) / 60 or None, "cpu_h": (mean(g.cpu_s) or 0) / 3600 or None,
                 "estimated_min": None if report.estimated_s(g) is None else report.estimated_s(g) / 60,
@@ -89,6 +89,9 @@ def json_rows(report: SweepReport) -> list[dict[str, Any]]:
             })
     for row in rows:
         ref = next((r for r in rows if r["reference"] and r["test_set"] == row["test_set"]), None)
+        # Δ pairs the seeds both ran: fewer than either row's own (a pooled or joined study) is said beside it.
+        row["delta_on_fewer_seeds"] = (ref is not None and row is not ref and row["delta"] is not None
+                                       and row["paired_seeds"] < max(row["n_seeds"], ref["n_seeds"]))
         row["delta_length"], row["delta_precision"] = (None, None) if ref is None or row is ref else \
             length_and_precision(ref["bleu_mean"], ref["bp_mean"], row["bleu_mean"], row["bp_mean"])
     return rows
@@ -127,7 +130,9 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "length": _f(row["len_ratio_mean"], 3), "BP": _f(row["bp_mean"], 3),
             "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]),
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
-            "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}"),
+            "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}" + (
+                f" ({row['paired_seeds']} paired seed{'s' if row['paired_seeds'] != 1 else ''})"
+                if row["delta_on_fewer_seeds"] else "")),
             "Δ: length / precision": "—" if is_ref or row["delta_length"] is None else
             f"{row['delta_length']:+.2f} / {row['delta_precision']:+.2f}",
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
@@ -158,7 +163,9 @@ def render_markdown(report: SweepReport) -> str:
             "`Δ: length / precision`: the difference of the mean BLEUs split into what the brevity penalty accounts "
             "for (the arm's at the reference's precisions) and what the precisions do (at the arm's penalty). "
             "ΔBLEU, 95% CI and p (two-sided) from a paired bootstrap (1000 resamples, seeds pooled) against the "
-            "reference; p (seeds): paired t-test across seeds. "
+            "reference; p (seeds): paired t-test across seeds. Δ, its CI and both p pair the seeds both rows ran; "
+            "where that is fewer than a row's own, the count stands beside Δ (the BLEU column is each row's mean "
+            "over all its seeds, so the two BLEUs' difference need not be Δ). "
             f"Parent run `{report.parent_run_id}`.", ""]
     if report.pooled:
         head += [f"Pooled over the sweeps {', '.join(f'`{n}`' for n in report.pooled)}: their runs of the same "
