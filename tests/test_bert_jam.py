@@ -232,6 +232,45 @@ def test_ablations_differ_from_m0_only_where_documented():
     assert models["bert_jam_m2"].bert.layers == (models["bert_jam_m2"].bert.num_layers,)
 
 
+def test_inference_switches_mask_bert_out_of_each_stack(small_batch):
+    """``enc_bert_off``: the encoder's output no longer depends on BERT; ``dec_bert_off``: the encoder is as tested
+    and the decoder reads nothing of BERT's states; ``bert_off``: nothing of BERT reaches the logits."""
+    model = jam()
+    with torch.no_grad():
+        for layer in [*model.encoder_layers, *model.decoder_layers]:
+            layer.glu.beta.normal_()  # the GLU away from its init, so every BERT layer feeds B
+    batch = with_inputs(model, small_batch)
+    switches = model.inference_switches()
+    assert list(switches) == ["tested", "enc_bert_off", "dec_bert_off", "bert_off"]
+
+    def run(switch: str, perturbed: bool = False):
+        with torch.no_grad(), switches[switch]():
+            enc = model.encode(batch)
+            if perturbed:  # other BERT states for the decoder, the encoder's output kept
+                enc.extras["bert_states"] = torch.randn_like(enc.extras["bert_states"])
+            return enc.out, model.output_logits(model.run_decoder(batch.tgt_in, enc))
+
+    enc0, tested = run("tested")
+    out = {name: run(name) for name in switches}
+    torch.testing.assert_close(out["dec_bert_off"][0], enc0, rtol=0, atol=0)  # the encoder as tested
+    for name in ("enc_bert_off", "dec_bert_off", "bert_off"):
+        assert not torch.allclose(out[name][1], tested), name
+    # The decoder under dec_bert_off / bert_off: other BERT states, the same output.
+    for name in ("dec_bert_off", "bert_off"):
+        torch.testing.assert_close(run(name, perturbed=True)[1], out[name][1], rtol=0, atol=0)
+    assert not torch.allclose(run("tested", perturbed=True)[1], tested)
+    # Another BERT: the encoder under enc_bert_off and the whole model under bert_off do not move.
+    with torch.no_grad():
+        for p in model.bert.parameters():
+            p.add_(torch.randn_like(p))
+    torch.testing.assert_close(run("enc_bert_off")[0], out["enc_bert_off"][0], rtol=0, atol=0)
+    torch.testing.assert_close(run("bert_off")[1], out["bert_off"][1], rtol=0, atol=0)
+    assert not torch.allclose(run("tested")[0], enc0)
+    with pytest.raises(ValueError, match="unknown BERT-JAM stack"):
+        with model.bert_switched_off("both"):
+            pass
+
+
 def test_a_variant_name_means_exactly_its_fields():
     with pytest.raises(ConfigError, match=r"^model.glu: model bert_jam_m1 is defined by glu='weighted_sum'"):
         ExperimentConfig.from_dict({"model": {"name": "bert_jam_m1", "glu": "glu", "bert": TINY_BERT}})

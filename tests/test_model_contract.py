@@ -54,6 +54,30 @@ def test_cached_decoding_equals_teacher_forcing(case, small_batch):
     torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
+SWITCHED = sorted(c for c in CASES if CASES[c][0].startswith(("bert_fused", "bert_jam", "mask_fusion")))
+
+
+@pytest.mark.parametrize("case", SWITCHED)
+def test_every_inference_switch_decodes_as_it_scores_and_restores_the_tested_model(case, small_batch):
+    """Under each inference switch (what the diagnostics decode the validation set with), cached decoding
+    equals teacher forcing, and leaving the switch gives the tested model's logits again."""
+    model = tiny_model(case).eval()
+    small_batch = with_inputs(model, small_batch)
+    switches = model.inference_switches()
+    assert len(switches) >= 4, case
+    with torch.no_grad():
+        tested = model(small_batch).logits
+        for name, switch in switches.items():
+            with switch():
+                full = model(small_batch).logits
+                enc = model.encode(small_batch)
+                state = model.init_state(enc)
+                steps = [model.decode_step(small_batch.tgt_in[:, t : t + 1], enc, state)
+                         for t in range(small_batch.tgt_in.size(1))]
+            torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(model(small_batch).logits, tested, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cached_decoding_in_bf16_with_fp32_self_attention_caches_equals_teacher_forcing(case, small_batch,
                                                                                        monkeypatch):

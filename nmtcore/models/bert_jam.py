@@ -24,6 +24,10 @@ no phase 2: phase 1 takes its epochs); M3 ``schedule`` without ``warmup`` (phase
 warm up alike (:meth:`BertJam.prefix_signature`), so a sweep trains that phase once
 (:mod:`nmtcore.engine.shared_phases`).
 
+What a trained model draws from BERT (:mod:`nmtcore.diagnostics`): inference switches that mask BERT out of the
+encoder's joint attentions, the decoder's or both (:meth:`BertJam.inference_switches`), the GLU's weight per BERT
+layer (:meth:`BertJam.bert_usage`) and each joint attention's share on BERT (:meth:`BertJam.usage_probe`).
+
 The schedule is honoured or refused (:mod:`nmtcore.engine.phases`): a ``train.max_epochs`` shorter than
 the phases is an error before training, never a silent cut. Deliberate departures from the paper, each for
 a reason:
@@ -76,7 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -266,6 +270,27 @@ class BertJam(Transformer):
         self.dec_drop_net = DropNet(cfg.decoder_p_net, torch.initial_seed() + 1)
         # Factor on the GLU output: 2 in phase 1 (Section 2.4), 1 otherwise; set by set_phase.
         self.register_buffer("glu_scale", torch.tensor(1.0))
+        self.bert_off: frozenset[str] = frozenset()  # inference switches: stacks ("enc", "dec") that ignore BERT
+
+    def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
+        """Decoding as tested, and with BERT's part of the joint attentions masked out (every key of it, so each
+        softmax spreads over the layer's own part alone) in the encoder's layers (``enc_bert_off``), the decoder's
+        (``dec_bert_off``: its BERT joint attention attends to its own prefix only, Eq. 10 still averaging it with
+        the encoder attention) or both (``bert_off``): ``tested`` minus each is what that side's BERT adds."""
+        stacks = {"tested": (), "enc_bert_off": ("enc",), "dec_bert_off": ("dec",), "bert_off": ("enc", "dec")}
+        return {name: (lambda off=off: self.bert_switched_off(*off)) for name, off in stacks.items()}
+
+    @contextlib.contextmanager
+    def bert_switched_off(self, *stacks: str) -> Iterator[None]:
+        """Inference with BERT masked out of these stacks' joint attentions ("enc", "dec"); restored after."""
+        unknown = set(stacks) - {"enc", "dec"}
+        if unknown:
+            raise ValueError(f"unknown BERT-JAM stack {sorted(unknown)}: enc, dec")
+        saved, self.bert_off = self.bert_off, frozenset(stacks)
+        try:
+            yield
+        finally:
+            self.bert_off = saved
 
     def bert_usage(self) -> dict[str, float]:
         """The GLU's weight on each BERT layer (Eq. 8), averaged over the layers of each stack: ``glu_alpha/enc/L3``
@@ -383,6 +408,8 @@ class BertJam(Transformer):
         offset = state.step if state is not None else 0
         x = self.embed(tgt_in, self.tgt_embed, offset)  # (B, T, C)
         states, bert_mask = enc_out.extras["bert_states"], enc_out.extras["bert_mask"]  # (B, L, M, H), (B, M)
+        if "dec" in self.bert_off:
+            bert_mask = torch.ones_like(bert_mask)  # switched off: every BERT key masked
         cached = state is not None and "bert" in state.layers[0].static
         berts = [None] * len(self.decoder_layers) if cached else self.compose(self.decoder_layers, states)
         for i, (layer, bert) in enumerate(zip(self.decoder_layers, berts)):  # B^{D,i}: composed once per sentence
@@ -402,8 +429,9 @@ class BertJam(Transformer):
         first = 1 if self.cfg.bert_layers == "all" else -1
         states = bert_out.stack(first, compute_dtype(batch.src.device), dim=1)  # (B, L, M, H)
         x = self.embed(batch.src, self.src_embed)  # (B, S, C)
+        enc_bert_mask = torch.ones_like(bert_out.mask) if "enc" in self.bert_off else bert_out.mask  # (B, M)
         for layer, bert in zip(self.encoder_layers, self.compose(self.encoder_layers, states)):
-            x = layer(x, batch.src_mask, bert, bert_out.mask)  # Eq. 9
+            x = layer(x, batch.src_mask, bert, enc_bert_mask)  # Eq. 9
         return EncoderOut(out=self.encoder_norm(x), mask=batch.src_mask,
                           extras={"bert_states": states, "bert_mask": bert_out.mask})
 

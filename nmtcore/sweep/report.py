@@ -305,7 +305,9 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              "`enc_bert_off` / `dec_bert_off` = BERT switched off in the encoder's / the decoder's layers only, the "
              "other stack mixing as tested: `mix` minus each is what that side's BERT attention adds; mask fusion: "
              "`tested`; `mask_off` = Eq. 4's mask off; `gate_bert_off` = λ = 0 in Eq. 5, the gate passing E only; "
-             "`adaptive_off` = η = 0 in Eq. 9, the decoder reading the encoder's top; `bert_off` = all three)"
+             "`adaptive_off` = η = 0 in Eq. 9, the decoder reading the encoder's top; `bert_off` = all three; BERT-JAM: "
+             "`tested`; `enc_bert_off` / `dec_bert_off` / `bert_off` = BERT's keys masked out of the encoder's / "
+             "the decoder's / every joint attention)"
              + (f"; the {ref.label}'s best validation BLEU over its epochs, for comparison: "
                 f"{_f(mean([max(c['valid_bleu']) for _, c in ref.curves if c.get('valid_bleu')]))}"
                 if ref is not None and ref.control else "")
