@@ -382,10 +382,19 @@ def test_the_report_says_how_each_arm_used_bert_and_draws_every_runs_validation_
     uri = stage_sweep(tmp_path, "diag", "patience", True, diagnostics=figures)
     rep = results.build_report("diag", uri, n_bootstrap=0)
     js = {r["arm"]: r for r in report.json_rows(rep)}
-    assert js["bert_fused"]["diagnostics"] == pytest.approx(figures) and js["control"]["diagnostics"] == {}
+    # Beside the figures, the tested model (Eq. 1's mix) minus each other switch: what the part it turns off adds.
+    gains = {"tested_minus/nmt_only": -0.7, "tested_minus/bert_only": 14.5}
+    assert js["bert_fused"]["diagnostics"] == pytest.approx({**figures, **gains})
+    assert js["control"]["diagnostics"] == {}
     md = report.render_markdown(rep)
     assert "**How each arm used BERT**" in md and "best validation BLEU over its epochs, for comparison: 20.00" in md
     assert "| valid_bleu/nmt_only | 31.200 |" in md and "| valid_bleu/bert_only | 16.000 |" in md
+    assert "| tested_minus/nmt_only | -0.700 |" in md and "| tested_minus/bert_only | 14.500 |" in md
+    # Within a run: a run as tested alone (another model's "tested"), and one without the tested figure, add none.
+    assert results.switch_gains({"diag/valid_bleu/tested": 30.0, "diag/valid_bleu/bert_off": 29.25,
+                                 "diag/valid_nll/bert_off": 2.0}) == {"tested_minus/bert_off": 0.75}
+    assert results.switch_gains({"diag/valid_bleu/tested": 30.0}) == {}
+    assert results.switch_gains({"diag/valid_bleu/bert_off": 29.0}) == {}
     files = report.write_report(rep, tmp_path / "out")
     curves = tmp_path / "out" / "valid_curves.png"
     assert curves in files and curves.stat().st_size > 5000

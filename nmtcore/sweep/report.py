@@ -46,6 +46,7 @@ from nmtcore.sweep import timing
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.space import CONTROL
 from nmtcore.sweep.results import (
+    TESTED_SWITCHES,
     Comparison,
     PhaseEnd,
     SweepReport,
@@ -307,7 +308,9 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              "`tested`; `mask_off` = Eq. 4's mask off; `gate_bert_off` = λ = 0 in Eq. 5, the gate passing E only; "
              "`adaptive_off` = η = 0 in Eq. 9, the decoder reading the encoder's top; `bert_off` = all three; BERT-JAM: "
              "`tested`; `enc_bert_off` / `dec_bert_off` / `bert_off` = BERT's keys masked out of the encoder's / "
-             "the decoder's / every joint attention)"
+             "the decoder's / every joint attention; `tested_minus/<switch>`: the tested model's greedy validation "
+             "BLEU minus the switch's, per run: what the part that switch turns off adds, BERT-fused's `bert_only` "
+             "giving what its NMT branches add)"
              + (f"; the {ref.label}'s best validation BLEU over its epochs, for comparison: "
                 f"{_f(mean([max(c['valid_bleu']) for _, c in ref.curves if c.get('valid_bleu')]))}"
                 if ref is not None and ref.control else "")
@@ -338,7 +341,7 @@ def diagnostics_table(report: SweepReport) -> list[str]:
 
 # The tested model's greedy validation BLEU (nmtcore.diagnostics): the switch "tested", or for BERT-fused,
 # whose switches mix its branches, Eq. 1's "mix" (what it is tested with).
-VALID_TESTED = ("valid_bleu/tested", "valid_bleu/mix")
+VALID_TESTED = tuple(f"valid_bleu/{name}" for name in TESTED_SWITCHES)
 
 
 def tested_valid_bleu(g: Any) -> list[float]:

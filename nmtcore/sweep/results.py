@@ -511,6 +511,22 @@ class Fit:
         return next(((t, v, b) for e, t, v, b, _ in self.path if e == epoch), None)
 
 
+TESTED_SWITCHES = ("tested", "mix")  # the switch a model is tested with: BERT-fused's is Eq. 1's mix
+GAIN = "tested_minus/"  # the derived figure's prefix: tested − switch, greedy validation BLEU
+
+
+def switch_gains(metrics: Mapping[str, float]) -> dict[str, float]:
+    """One run's greedy validation BLEU as tested minus under each other inference switch
+    (``tested_minus/<switch>``): what the part that switch turns off adds to the tested model, paired within the
+    run. Nothing for a run without switches."""
+    bleu = f"{DIAGNOSTICS_PREFIX}valid_bleu/"
+    tested = next((metrics[bleu + t] for t in TESTED_SWITCHES if bleu + t in metrics), None)
+    if tested is None:
+        return {}
+    return {f"{GAIN}{name[len(bleu):]}": tested - value for name, value in metrics.items()
+            if name.startswith(bleu) and name[len(bleu):] not in TESTED_SWITCHES}
+
+
 def _progress(run: tracking.RunRecord, state: str, by_epoch: Mapping[int, float]) -> Progress:
     """An unfinished run's :class:`Progress`, from its validation BLEU by epoch (:func:`_valid_curves`)."""
     epochs = int(run.metrics.get("epoch", max(by_epoch, default=0)))
@@ -686,6 +702,8 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         for name, value in r.metrics.items():
             if name.startswith(DIAGNOSTICS_PREFIX):
                 g.diagnostics.setdefault(name[len(DIAGNOSTICS_PREFIX):], []).append(value)
+        for name, value in switch_gains(r.metrics).items():
+            g.diagnostics.setdefault(name, []).append(value)
         for name in extra:
             if name in r.metrics:  # the run's last logged value
                 g.extra.setdefault(name, []).append(r.metrics[name])
