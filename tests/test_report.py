@@ -416,17 +416,20 @@ def test_the_validation_delta_of_the_tested_models_stands_beside_each_test_delta
     # BERT-fused's switches mix its branches: what it is tested with is Eq. 1's mix.
     add_trial(parent, tmp_path, 1, 3, "mixed", 0.6, {"arm": "mixed"}, curves=FLAT,
               diagnostics={"valid_bleu/mix": 30.5, "valid_bleu/nmt_only": 29.0})
+    # A second control seed that no arm ran: validation's Δ pairs seed 1 (the mean over both would be 30.5).
+    add_trial(parent, tmp_path, 2, 4, "control", 0.4, control=True, curves=FLAT,
+              diagnostics={"valid_bleu/tested": 31.0})
     parent.end()
     rep = results.build_report("vt", uri, n_bootstrap=200)
     c = next(g for g in rep.groups if g.label == "fused").comparisons[SPLIT]
     assert c.delta > 0  # better on the test set, worse on validation: the two parted
     lines = report.valid_beside_test(rep)
     assert lines[0].startswith("**Validation beside test** (Δ against the control")
-    assert f"| fused | -1.25 | {c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] |" in lines
-    assert any(line.startswith("| mixed | +0.50 | ") for line in lines)
+    assert f"| fused | -1.25 (1 paired seed) | {c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] |" in lines
+    assert any(line.startswith("| mixed | +0.50 (1 paired seed) | ") for line in lines)
     assert not any(line.startswith("| plain") for line in lines)
     assert "**Validation beside test**" in report.render_markdown(rep)
-    rep.groups[0].diagnostics.clear()
+    rep.groups[0].valid_tested.clear()
     assert report.valid_beside_test(rep) == []
 
 

@@ -46,7 +46,6 @@ from nmtcore.sweep import timing
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.space import CONTROL
 from nmtcore.sweep.results import (
-    TESTED_SWITCHES,
     Comparison,
     PhaseEnd,
     SweepReport,
@@ -339,35 +338,28 @@ def diagnostics_table(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
-# The tested model's greedy validation BLEU (nmtcore.diagnostics): the switch "tested", or for BERT-fused,
-# whose switches mix its branches, Eq. 1's "mix" (what it is tested with).
-VALID_TESTED = tuple(f"valid_bleu/{name}" for name in TESTED_SWITCHES)
-
-
-def tested_valid_bleu(g: Any) -> list[float]:
-    """The greedy validation BLEU of the weights each of ``g``'s runs tested (per run; [] where none logged it)."""
-    return next((g.diagnostics[name] for name in VALID_TESTED if g.diagnostics.get(name)), [])
-
-
 def valid_beside_test(report: SweepReport) -> list[str]:
-    """Each arm's Δ on the validation set (the tested model's greedy BLEU, mean over seeds) beside its Δ on each
-    test set, against the reference: sets drawn alike should agree within their noise, and where they part
-    the reader sees it next to the test Δ the study's answer rests on. Nothing without the validation figure."""
+    """Each arm's Δ on the validation set (the tested model's greedy BLEU, arm minus reference over the seeds both
+    ran) beside its Δ on each test set, against the reference: sets drawn alike should agree within their noise,
+    and where they part the reader sees it next to the test Δ the study's answer rests on. Nothing without the
+    validation figure."""
     ref = report.reference
-    if ref is None or not tested_valid_bleu(ref):
+    if ref is None or not ref.valid_tested:
         return []
-    arms = [g for g in report.groups if g is not ref and tested_valid_bleu(g)]
+    arms = [g for g in report.groups if g is not ref and set(g.valid_tested) & set(ref.valid_tested)]
     if not arms:
         return []
-    base = mean(tested_valid_bleu(ref))
-    lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over seeds): the validation set's greedy "
-             "BLEU of the model each run tested, beside the test sets' Δ (beam search, the tables above). The "
-             "validation set chose when each run stopped, so it leans its way; a test set whose Δ parts from it by "
+    lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over the seeds both ran): the validation "
+             "set's greedy BLEU of the model each run tested, beside the test sets' Δ (beam search, the tables above). "
+             "The validation set chose when each run stopped, so it leans its way; a test set whose Δ parts from it by "
              "more than its CI is one where a single set's draw decides the answer.", "",
              "| arm | Δ validation (greedy) | " + " | ".join(f"Δ {split}" for split in report.test_splits) + " |",
              "|---|---|" + "|".join("---" for _ in report.test_splits) + "|"]
     for g in arms:
-        cells = [f"{mean(tested_valid_bleu(g)) - base:+.2f}"]
+        seeds = sorted(set(g.valid_tested) & set(ref.valid_tested))
+        paired = f" ({len(seeds)} paired seed{'s' if len(seeds) != 1 else ''})" \
+            if len(seeds) < max(len(g.valid_tested), len(ref.valid_tested)) else ""
+        cells = [f"{mean([g.valid_tested[s] - ref.valid_tested[s] for s in seeds]):+.2f}{paired}"]
         for split in report.test_splits:
             c = g.comparisons.get(split)
             cells.append("—" if c is None or c.delta is None else

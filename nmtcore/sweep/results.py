@@ -78,6 +78,7 @@ class Group:
     # per completed run: its validation loss still falling or its BLEU still rising at its last epoch
     improving_at_stop: list[bool] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)  # nmtcore.diagnostics figure → per run
+    valid_tested: dict[str, float] = field(default_factory=dict)  # seed → the tested model's greedy validation BLEU
     curves: list[tuple[str, dict[str, list[float]]]] = field(default_factory=list)  # per completed run: seed, curves
     status: dict[str, int] = field(default_factory=dict)
     bert: str = ""  # the BERT as resolved (name, or size -> what answered it)
@@ -515,12 +516,18 @@ TESTED_SWITCHES = ("tested", "mix")  # the switch a model is tested with: BERT-f
 GAIN = "tested_minus/"  # the derived figure's prefix: tested − switch, greedy validation BLEU
 
 
+def tested_valid_bleu(metrics: Mapping[str, float]) -> float | None:
+    """One run's greedy validation BLEU of the weights it tested (its diagnostics); None where it logged none."""
+    return next((metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}"] for t in TESTED_SWITCHES
+                 if f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}" in metrics), None)
+
+
 def switch_gains(metrics: Mapping[str, float]) -> dict[str, float]:
     """One run's greedy validation BLEU as tested minus under each other inference switch
     (``tested_minus/<switch>``): what the part that switch turns off adds to the tested model, paired within the
     run. Nothing for a run without switches."""
     bleu = f"{DIAGNOSTICS_PREFIX}valid_bleu/"
-    tested = next((metrics[bleu + t] for t in TESTED_SWITCHES if bleu + t in metrics), None)
+    tested = tested_valid_bleu(metrics)
     if tested is None:
         return {}
     return {f"{GAIN}{name[len(bleu):]}": tested - value for name, value in metrics.items()
@@ -704,6 +711,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
                 g.diagnostics.setdefault(name[len(DIAGNOSTICS_PREFIX):], []).append(value)
         for name, value in switch_gains(r.metrics).items():
             g.diagnostics.setdefault(name, []).append(value)
+        tested = tested_valid_bleu(r.metrics)
+        if tested is not None:
+            g.valid_tested[seed] = tested
         for name in extra:
             if name in r.metrics:  # the run's last logged value
                 g.extra.setdefault(name, []).append(r.metrics[name])
