@@ -131,8 +131,7 @@ def table_rows(report: SweepReport) -> list[dict[str, str]]:
             "1-4-gram precision (%)": "/".join(f"{p:.1f}" for p in row["precisions_mean"]),
             **{f"{name} (last epoch)": _f(row[name], 4) for name in report.space.get("report_metrics") or []},
             "ΔBLEU": "—" if is_ref else ("" if row["delta"] is None else f"{row['delta']:+.2f}" + (
-                f" ({row['paired_seeds']} paired seed{'s' if row['paired_seeds'] != 1 else ''})"
-                if row["delta_on_fewer_seeds"] else "")),
+                _paired(row["paired_seeds"]) if row["delta_on_fewer_seeds"] else "")),
             "Δ: length / precision": "—" if is_ref or row["delta_length"] is None else
             f"{row['delta_length']:+.2f} / {row['delta_precision']:+.2f}",
             "95% CI": "ref" if is_ref else ci, "p": "ref" if is_ref else ("" if row["p"] is None else _p(row["p"])),
@@ -305,9 +304,9 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              "`enc_bert_off` / `dec_bert_off` = BERT switched off in the encoder's / the decoder's layers only, the "
              "other stack mixing as tested: `mix` minus each is what that side's BERT attention adds; mask fusion: "
              "`tested`; `mask_off` = Eq. 4's mask off; `gate_bert_off` = λ = 0 in Eq. 5, the gate passing E only; "
-             "`adaptive_off` = η = 0 in Eq. 9, the decoder reading the encoder's top; `bert_off` = all three; BERT-JAM: "
-             "`tested`; `enc_bert_off` / `dec_bert_off` / `bert_off` = BERT's keys masked out of the encoder's / "
-             "the decoder's / every joint attention; `tested_minus/<switch>`: the tested model's greedy validation "
+             "`adaptive_off` = η = 0 in Eq. 9, the decoder reading the encoder's top; `bert_off` = all three; "
+             "BERT-JAM: `tested`; `enc_bert_off` / `dec_bert_off` / `bert_off` = BERT's keys masked out of the "
+             "encoder's / the decoder's / every joint attention; `tested_minus/<switch>`: the tested model's greedy validation "
              "BLEU minus the switch's, per run: what the part that switch turns off adds, BERT-fused's `bert_only` "
              "giving what its NMT branches add)"
              + (f"; the {ref.label}'s best validation BLEU over its epochs, for comparison: "
@@ -316,9 +315,9 @@ def diagnostics_table(report: SweepReport) -> list[str]:
              + ". `bert_usage/...`: read off the weights (BERT-JAM: GLU weight per BERT layer, Eq. 8; mask fusion: the "
              "GLU's value and gate weight per BERT layer, Eq. 1-2); "
              "`probe/...`: over one pass of the validation set (document context: the gates' weight on BERT; "
-             "mask fusion: the masked fraction and the mean of Eq. 6's λ and Eq. 8's η per source token; BERT-JAM: the share of each joint attention on BERT or the "
-             "encoder; PLM-sponsored: the coordinator's attention on the source BERT, the target BERT and its "
-             "own states, Eq. 6's gate, the fine-tuned source BERT's mean squared distance from the pretrained "
+             "mask fusion: the masked fraction and the mean of Eq. 6's λ and Eq. 8's η per source token; BERT-JAM: "
+             "the share of each joint attention on BERT or the encoder; PLM-sponsored: the coordinator's attention on "
+             "the source BERT, the target BERT and its own states, Eq. 6's gate, the fine-tuned source BERT's mean squared distance from the pretrained "
              "one's top layer, the MLM head's and the target BERT's next-token accuracy). For every arm, the control too (`tested`: a model without "
              "switches): `valid_len_ratio` the greedy output's length over the references', `valid_token_acc` the "
              "teacher-forced share of target tokens that are the top choice, `valid_entropy` and `valid_nll` in "
@@ -338,6 +337,11 @@ def diagnostics_table(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
+def _paired(n: int) -> str:
+    """What stands beside a Δ that pairs fewer seeds than a row ran: `` (2 paired seeds)``."""
+    return f" ({n} paired seed{'s' if n != 1 else ''})"
+
+
 def valid_beside_test(report: SweepReport) -> list[str]:
     """Each arm's Δ on the validation set (the tested model's greedy BLEU, arm minus reference over the seeds both
     ran) beside its Δ on each test set, against the reference: sets drawn alike should agree within their noise,
@@ -349,17 +353,17 @@ def valid_beside_test(report: SweepReport) -> list[str]:
     arms = [g for g in report.groups if g is not ref and set(g.valid_tested) & set(ref.valid_tested)]
     if not arms:
         return []
-    lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over the seeds both ran): the validation "
-             "set's greedy BLEU of the model each run tested, beside the test sets' Δ (beam search, the tables above). "
-             "The validation set chose when each run stopped, so it leans its way; a test set whose Δ parts from it by "
-             "more than its CI is one where a single set's draw decides the answer.", "",
+    lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over the seeds both ran): the "
+             "validation set's greedy BLEU of the model each run tested, beside the test sets' Δ (beam search, the "
+             "tables above). The validation set chose when each run stopped, so it leans its way; a test set whose Δ "
+             "parts from it by more than its CI is one where a single set's draw decides the answer.", "",
              "| arm | Δ validation (greedy) | " + " | ".join(f"Δ {split}" for split in report.test_splits) + " |",
              "|---|---|" + "|".join("---" for _ in report.test_splits) + "|"]
     for g in arms:
         seeds = sorted(set(g.valid_tested) & set(ref.valid_tested))
-        paired = f" ({len(seeds)} paired seed{'s' if len(seeds) != 1 else ''})" \
-            if len(seeds) < max(len(g.valid_tested), len(ref.valid_tested)) else ""
-        cells = [f"{mean([g.valid_tested[s] - ref.valid_tested[s] for s in seeds]):+.2f}{paired}"]
+        fewer = len(seeds) < max(len(g.valid_tested), len(ref.valid_tested))
+        cells = [f"{mean([g.valid_tested[s] - ref.valid_tested[s] for s in seeds]):+.2f}"
+                 + (_paired(len(seeds)) if fewer else "")]
         for split in report.test_splits:
             c = g.comparisons.get(split)
             cells.append("—" if c is None or c.delta is None else

@@ -18,6 +18,7 @@ import yaml
 
 from nmtcore import bleu, tracking
 from nmtcore.diagnostics import PREFIX as DIAGNOSTICS_PREFIX
+from nmtcore.diagnostics import TESTED
 from nmtcore.engine.stopping import PATIENCE, loss_still_falling
 from nmtcore.engine.trainer import AVERAGED, tested_file
 from nmtcore.sweep import timing
@@ -512,7 +513,7 @@ class Fit:
         return next(((t, v, b) for e, t, v, b, _ in self.path if e == epoch), None)
 
 
-TESTED_SWITCHES = ("tested", "mix")  # the switch a model is tested with: BERT-fused's is Eq. 1's mix
+TESTED_SWITCHES = (TESTED, "mix")  # the switch a model is tested with: BERT-fused's is Eq. 1's mix
 GAIN = "tested_minus/"  # the derived figure's prefix: tested − switch, greedy validation BLEU
 
 
