@@ -351,12 +351,40 @@ def test_saturated_gates_reduce_to_the_baseline(small_batch, integration, bias):
         torch.testing.assert_close(got, base(small_batch).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("integration, switches", [
+    ("encoder", {"tested", "enc_bert_off", "bert_off"}), ("decoder", {"tested", "dec_bert_off", "bert_off"}),
+    ("both", {"tested", "enc_bert_off", "dec_bert_off", "bert_off"}), ("none", set())])
+def test_switching_the_context_off_gives_the_sentence_level_model(small_batch, integration, switches):
+    """``bert_off`` passes each gate's sentence branch alone (Eq. 4's g = 1, Eq. 6's d = 0): warm-started from a
+    baseline, whatever its gates learnt, the model then gives the baseline's logits; one stack's switch leaves the
+    other stack's context in; after the block the tested model is back."""
+    base, _ = baseline(seed=1)
+    model, _ = doc_model(seed=2, context_integration=integration)
+    assert set(model.inference_switches()) == switches
+    if not switches:
+        return
+    model.load_state_dict(base.state_dict(), strict=False)
+    model.eval(), base.eval()
+    batch = with_inputs(model, small_batch)
+    on = model.inference_switches()
+    with torch.no_grad():
+        tested = model(batch).logits
+        with on["bert_off"]():
+            torch.testing.assert_close(model(batch).logits, base(small_batch).logits, rtol=1e-5, atol=1e-5)
+        if integration == "both":
+            for name in ("enc_bert_off", "dec_bert_off"):
+                with on[name]():
+                    one = model(batch).logits
+                assert not torch.allclose(one, tested) and not torch.allclose(one, base(small_batch).logits)
+        torch.testing.assert_close(model(batch).logits, tested, rtol=0, atol=0)
+
+
 def test_gate_combines_per_dimension():
     """Eq. 4: A = g ⊙ B + (1 − g) ⊙ D with g = σ(W [B; D] + b)."""
     from nmtcore.models.doc_context import ContextGate
 
     torch.manual_seed(0)
-    gate = ContextGate(8, 0.0)
+    gate = ContextGate(8, 0.0, context_first=False)
     b, d = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     g = torch.sigmoid(torch.cat([b, d], -1) @ gate.proj.weight.T + gate.proj.bias)
     torch.testing.assert_close(gate(b, d), g * b + (1 - g) * d)

@@ -21,6 +21,10 @@ Parameter names match the baseline's (``self_attn``, ``self_res``, ``cross_attn`
 ``bert_attn`` and ``gate`` start fresh. BERT is frozen (``model.bert.freeze``, the default; Sec. 3.2) and
 served from the frozen-feature cache.
 
+What the trained model takes from the context: :meth:`DocContext.inference_switches` decodes with each stack's
+context gate passing the sentence's own branch alone (``enc_bert_off``, ``dec_bert_off``, ``bert_off``), and
+:meth:`DocContext.usage_probe` gives the gates' mean weight on BERT's branch.
+
 Ablation switches (explicit fields, never model names):
 
 - ``model.context_integration`` (Table 3): ``none`` = no BERT at all, exactly the sentence-level
@@ -59,7 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zlib
-from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -115,17 +119,25 @@ class DocContextSource:
 
 # ---------------------------------------------------------------------- layers
 class ContextGate(nn.Module):
-    """Eq. 4 / Eq. 6: ``g = σ(W [x; y] + b)``, output ``g ⊙ x + (1 − g) ⊙ y`` (one gate per dimension)."""
+    """Eq. 4 / Eq. 6: ``g = σ(W [x; y] + b)``, output ``g ⊙ x + (1 − g) ⊙ y`` (one gate per dimension).
 
-    def __init__(self, d_model: int, bias_init: float) -> None:
+    ``context_first``: which input is the context's (the encoder's Eq. 4 gates the self branch first, the decoder's
+    Eq. 6 the BERT branch); ``context_off`` (an inference switch, :meth:`DocContext.inference_switches`) passes the
+    other input alone, the gate's weight on it set to 1."""
+
+    def __init__(self, d_model: int, bias_init: float, context_first: bool) -> None:
         super().__init__()
         self.proj = nn.Linear(2 * d_model, d_model)
         nn.init.xavier_uniform_(self.proj.weight)
         nn.init.constant_(self.proj.bias, bias_init)
+        self.context_first = context_first
+        self.context_off = False
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         """g = σ(W[x; y] + b), then g ⊙ x + (1 − g) ⊙ y (Eq. 4 / 6): how much of the sentence's own states to keep
         against the context's."""
+        if self.context_off:
+            return y if self.context_first else x
         g = torch.sigmoid(self.proj(torch.cat([x, y], dim=-1)))  # (B, T, C)
         return g * x + (1 - g) * y
 
@@ -138,7 +150,7 @@ class DocContextEncoderLayer(nn.Module):
         d = cfg.d_model
         self.self_attn = SelfAttention(d, cfg.heads, cfg.attention_dropout)
         self.bert_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout, kdim=bert_dim)
-        self.gate = ContextGate(d, cfg.gate_bias_init)
+        self.gate = ContextGate(d, cfg.gate_bias_init, context_first=False)  # Eq. 4: g on B, the self branch
         self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
         self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
@@ -163,7 +175,7 @@ class DocContextDecoderLayer(nn.Module):
         self.self_res = Residual(d, cfg.dropout, cfg.pre_norm)
         self.bert_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout, kdim=bert_dim)
         self.cross_attn = CrossAttention(d, cfg.heads, cfg.attention_dropout)
-        self.gate = ContextGate(d, cfg.gate_bias_init)
+        self.gate = ContextGate(d, cfg.gate_bias_init, context_first=True)  # Eq. 6: d on F, the BERT branch
         self.cross_res = Residual(d, cfg.dropout, cfg.pre_norm)
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
         self.ffn_res = Residual(d, cfg.dropout, cfg.pre_norm)
@@ -215,6 +227,31 @@ class DocContext(Transformer):
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """Named parameter sets a phase schedule freezes/unfreezes: ``bert`` (if any) and the rest (``nmt``)."""
         return self.groups(bert=self.bert.parameters()) if self.bert is not None else self.groups()
+
+    def inference_switches(self) -> dict[str, Callable[[], ContextManager[None]]]:
+        """Decoding as tested and with the context switched off where this variant reads it: ``enc_bert_off``
+        (Eq. 4's g = 1: the encoder's self-attention alone), ``dec_bert_off`` (Eq. 6's d = 0: the decoder's encoder
+        attention alone), ``bert_off`` (both: the weights of a sentence-level model). ``tested`` minus each is what
+        the context adds to the tested model. None without BERT (``context_integration=none``)."""
+        stacks = {"enc_bert_off": (self.encoder_layers,) if self.context_encoder else (),
+                  "dec_bert_off": (self.decoder_layers,) if self.context_decoder else ()}
+        switches: dict[str, tuple[nn.ModuleList, ...]] = {"tested": (), **{k: v for k, v in stacks.items() if v}}
+        if len(switches) == 1:
+            return {}
+        switches["bert_off"] = tuple(s for v in stacks.values() for s in v)
+        return {name: (lambda off=off: self._context_off(off)) for name, off in switches.items()}
+
+    @contextlib.contextmanager
+    def _context_off(self, stacks: tuple[nn.ModuleList, ...]) -> Iterator[None]:
+        """Inference with every context gate of these layer stacks passing the sentence's own branch alone."""
+        gates = [layer.gate for layers in stacks for layer in layers]
+        for gate in gates:
+            gate.context_off = True
+        try:
+            yield
+        finally:
+            for gate in gates:
+                gate.context_off = False
 
     @contextlib.contextmanager
     def usage_probe(self) -> Iterator[dict[str, float]]:
