@@ -433,6 +433,41 @@ def test_the_validation_delta_of_the_tested_models_stands_beside_each_test_delta
     assert report.valid_beside_test(rep) == []
 
 
+def test_why_each_arm_stands_where_it_does_pairs_its_nmt_path_and_each_part_with_the_control(tmp_path):
+    """Per arm, from its switches: the tested model against the control, the same weights with BERT off (its own
+    NMT path) against the control, what BERT adds to that path and what each other switch's part adds; seeds pair
+    with the control's, an arm without a BERT-off switch has no row."""
+    uri = f"sqlite:///{tmp_path / 'why.db'}"
+    parent = tracking.Tracker(uri, experiment="sweeps", run_name="why", tags={
+        lifecycle.SWEEP_TAG: "why", lifecycle.ROLE_TAG: "sweep", "nmtcore.varied_keys": "arm",
+        "nmtcore.test_splits": SPLIT, "nmtcore.space_json": json.dumps({"metric": "valid_bleu"})})
+    for seed, control in ((1, 30.0), (2, 31.0)):
+        add_trial(parent, tmp_path, seed, seed * 10, "control", 0.4, control=True, curves=FLAT,
+                  diagnostics={"valid_bleu/tested": control})
+    # mask fusion-like: its NMT path alone 1.0 / 1.5 below the control, BERT making it up and 0.25 / 0.75 more, the
+    # mask 0.5 of it
+    for seed, (tested, off, mask) in ((1, (30.25, 29.0, 29.75)), (2, (31.75, 29.5, 31.25))):
+        add_trial(parent, tmp_path, seed, seed * 10 + 1, "fused", 0.5, {"arm": "fused"}, curves=FLAT,
+                  diagnostics={"valid_bleu/tested": tested, "valid_bleu/bert_off": off, "valid_bleu/mask_off": mask})
+    # BERT-fused-like, seed 1 only: tested with Eq. 1's mix, BERT off is its NMT branches alone
+    add_trial(parent, tmp_path, 1, 12, "mixed", 0.6, {"arm": "mixed"}, curves=FLAT,
+              diagnostics={"valid_bleu/mix": 30.5, "valid_bleu/nmt_only": 29.0, "valid_bleu/bert_only": 20.0})
+    add_trial(parent, tmp_path, 1, 13, "plain", 0.5, {"arm": "plain"}, curves=FLAT,
+              diagnostics={"valid_bleu/tested": 30.0})  # no switch turns BERT off: no row
+    parent.end()
+    rep = results.build_report("why", uri, n_bootstrap=0)
+    lines = report.why_table(rep)
+    assert lines[0].startswith("**Why each arm stands where it does**")
+    assert lines[2] == ("| arm | Δ vs control | without BERT vs control | BERT adds | `bert_only` part adds | "
+                        "`mask_off` part adds |")
+    assert "| fused | +0.50 | -1.25 | +1.75 |  | +0.50 |" in lines
+    assert "| mixed | +0.50 (1 paired seed) | -1.00 (1 paired seed) | +1.50 | +10.50 |  |" in lines
+    assert not any(line.startswith("| plain") or line.startswith("| control") for line in lines)
+    assert "**Why each arm stands where it does**" in report.render_markdown(rep)
+    next(g for g in rep.groups if g.control).valid_tested.clear()
+    assert report.why_table(rep) == []
+
+
 def test_an_estimate_logged_before_training_stands_beside_what_each_arm_took(tmp_path):
     uri = f"sqlite:///{tmp_path / 'est.db'}"
     parent = tracking.Tracker(uri, experiment="sweeps", run_name="est", tags={

@@ -46,6 +46,8 @@ from nmtcore.sweep import timing
 from nmtcore.sweep.figures import figures
 from nmtcore.sweep.space import CONTROL
 from nmtcore.sweep.results import (
+    BERT_OFF_SWITCHES,
+    GAIN,
     Comparison,
     PhaseEnd,
     SweepReport,
@@ -208,6 +210,7 @@ def render_markdown(report: SweepReport) -> str:
         lines += [f"**{split}**", "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in part] + [""]
     lines += rarity_tables(report)
+    lines += why_table(report)
     lines += diagnostics_table(report)
     lines += valid_beside_test(report)
     lines += fit_table(report)
@@ -287,6 +290,44 @@ def unfinished_lines(report: SweepReport) -> list[str]:
                if ref is not None and best is not None and not math.isnan(best) else "")
     lines = [f"**Not finished yet** (no test score until they are; `--resume` continues a stopped sweep){against}:", ""]
     lines += [f"- {g.label}: " + "; ".join(p.describe() for p in g.unfinished) for g in groups]
+    return lines + [""]
+
+
+def why_table(report: SweepReport) -> list[str]:
+    """Why each arm stands where it does against the reference, from its inference switches (greedy validation
+    BLEU of the tested weights, mean over seeds): the arm against the reference, its own NMT path (BERT switched
+    off everywhere) against the reference, what BERT adds to that path, and what each other switch's part adds.
+    Nothing without a reference that logged the figure or an arm with a switch that turns BERT off."""
+    ref = report.reference
+    if ref is None or not ref.valid_tested:
+        return []
+    arms = [g for g in report.groups if g is not ref and set(g.valid_bert_off) & set(ref.valid_tested)]
+    if not arms:
+        return []
+    off = {s for s in BERT_OFF_SWITCHES for g in arms if f"{GAIN}{s}" in g.diagnostics}
+    parts = sorted({name[len(GAIN):] for g in arms for name in g.diagnostics
+                    if name.startswith(GAIN) and name[len(GAIN):] not in off})
+    lines = [f"**Why each arm stands where it does** (greedy validation BLEU of the tested weights, mean over seeds; "
+             f"`nmtcore.diagnostics`' inference switches): `Δ vs {ref.label}` the arm's minus the {ref.label}'s; "
+             f"`without BERT vs {ref.label}` the same weights with BERT switched off everywhere "
+             f"({' / '.join(f'`{s}`' for s in BERT_OFF_SWITCHES)}), the NMT path the arm trained, minus the "
+             f"{ref.label}'s: below 0, fusing BERT left the arm's own path weaker than a model trained without it, "
+             "and BERT has that much to make up before it helps; `BERT adds` the tested model minus that; each "
+             "`<switch> part adds` what the part that switch turns off adds (tested minus the switch; BERT-fused's "
+             "`bert_only` part is its NMT branches). The reference's and the arm's figures pair the seeds both "
+             "ran.", "",
+             "| " + " | ".join(["arm", f"Δ vs {ref.label}", f"without BERT vs {ref.label}", "BERT adds",
+                                *(f"`{p}` part adds" for p in parts)]) + " |",
+             "|---|---|---|---|" + "".join("---|" for _ in parts)]
+    for g in arms:
+        seeds = sorted(set(g.valid_bert_off) & set(g.valid_tested) & set(ref.valid_tested))
+        fewer = len(seeds) < max(len(g.valid_tested), len(ref.valid_tested))
+        note = _paired(len(seeds)) if fewer else ""
+        cells = [f"{mean([g.valid_tested[s] - ref.valid_tested[s] for s in seeds]):+.2f}{note}",
+                 f"{mean([g.valid_bert_off[s] - ref.valid_tested[s] for s in seeds]):+.2f}{note}",
+                 f"{mean([g.valid_tested[s] - g.valid_bert_off[s] for s in seeds]):+.2f}"]
+        cells += [f"{mean(g.diagnostics[GAIN + p]):+.2f}" if GAIN + p in g.diagnostics else "" for p in parts]
+        lines.append(f"| {g.label} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

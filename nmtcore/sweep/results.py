@@ -80,6 +80,7 @@ class Group:
     improving_at_stop: list[bool] = field(default_factory=list)
     diagnostics: dict[str, list[float]] = field(default_factory=dict)  # nmtcore.diagnostics figure → per run
     valid_tested: dict[str, float] = field(default_factory=dict)  # seed → the tested model's greedy validation BLEU
+    valid_bert_off: dict[str, float] = field(default_factory=dict)  # seed → the same weights' with BERT off
     curves: list[tuple[str, dict[str, list[float]]]] = field(default_factory=list)  # per completed run: seed, curves
     status: dict[str, int] = field(default_factory=dict)
     bert: str = ""  # the BERT as resolved (name, or size -> what answered it)
@@ -515,12 +516,22 @@ class Fit:
 
 TESTED_SWITCHES = (TESTED, "mix")  # the switch a model is tested with: BERT-fused's is Eq. 1's mix
 GAIN = "tested_minus/"  # the derived figure's prefix: tested − switch, greedy validation BLEU
+# The switch that turns BERT off everywhere, leaving the model's own NMT path: BERT-fused's NMT branches alone, and
+# every other family's bert_off
+BERT_OFF_SWITCHES = ("bert_off", "nmt_only")
 
 
 def tested_valid_bleu(metrics: Mapping[str, float]) -> float | None:
     """One run's greedy validation BLEU of the weights it tested (its diagnostics); None where it logged none."""
     return next((metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}"] for t in TESTED_SWITCHES
                  if f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}" in metrics), None)
+
+
+def bert_off_valid_bleu(metrics: Mapping[str, float]) -> tuple[str, float] | None:
+    """One run's switch that turns BERT off everywhere and its greedy validation BLEU under it: the NMT path the
+    fused model trained, alone; None where the run has no such switch."""
+    return next(((s, metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}"]) for s in BERT_OFF_SWITCHES
+                 if f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}" in metrics), None)
 
 
 def switch_gains(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -715,6 +726,9 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
         tested = tested_valid_bleu(r.metrics)
         if tested is not None:
             g.valid_tested[seed] = tested
+        off = bert_off_valid_bleu(r.metrics)
+        if off is not None:
+            g.valid_bert_off[seed] = off[1]
         for name in extra:
             if name in r.metrics:  # the run's last logged value
                 g.extra.setdefault(name, []).append(r.metrics[name])
