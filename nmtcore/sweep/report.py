@@ -293,15 +293,21 @@ def unfinished_lines(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
+def _paired_arms(report: SweepReport, figure: str) -> tuple[Any, list[Any]]:
+    """The reference and the arms whose ``figure`` (a :class:`~nmtcore.sweep.results.Group`'s seed → greedy
+    validation BLEU) has a seed the reference's tested model has too; no arms without such a reference."""
+    ref = report.reference
+    if ref is None or not ref.valid_tested:
+        return ref, []
+    return ref, [g for g in report.groups if g is not ref and set(getattr(g, figure)) & set(ref.valid_tested)]
+
+
 def why_table(report: SweepReport) -> list[str]:
     """Why each arm stands where it does against the reference, from its inference switches (greedy validation
     BLEU of the tested weights, mean over seeds): the arm against the reference, its own NMT path (BERT switched
     off everywhere) against the reference, what BERT adds to that path, and what each other switch's part adds.
     Nothing without a reference that logged the figure or an arm with a switch that turns BERT off."""
-    ref = report.reference
-    if ref is None or not ref.valid_tested:
-        return []
-    arms = [g for g in report.groups if g is not ref and set(g.valid_bert_off) & set(ref.valid_tested)]
+    ref, arms = _paired_arms(report, "valid_bert_off")
     if not arms:
         return []
     off = {s for s in BERT_OFF_SWITCHES for g in arms if f"{GAIN}{s}" in g.diagnostics}
@@ -388,10 +394,7 @@ def valid_beside_test(report: SweepReport) -> list[str]:
     ran) beside its Δ on each test set, against the reference: sets drawn alike should agree within their noise,
     and where they part the reader sees it next to the test Δ the study's answer rests on. Nothing without the
     validation figure."""
-    ref = report.reference
-    if ref is None or not ref.valid_tested:
-        return []
-    arms = [g for g in report.groups if g is not ref and set(g.valid_tested) & set(ref.valid_tested)]
+    ref, arms = _paired_arms(report, "valid_tested")
     if not arms:
         return []
     lines = [f"**Validation beside test** (Δ against the {ref.label}, mean over the seeds both ran): the "
