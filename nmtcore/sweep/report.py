@@ -49,6 +49,7 @@ from nmtcore.sweep.results import (
     BERT_OFF_SWITCHES,
     GAIN,
     Comparison,
+    Group,
     PhaseEnd,
     SweepReport,
     build_report,
@@ -293,7 +294,7 @@ def unfinished_lines(report: SweepReport) -> list[str]:
     return lines + [""]
 
 
-def _paired_arms(report: SweepReport, figure: str) -> tuple[Any, list[Any]]:
+def _paired_arms(report: SweepReport, figure: str) -> tuple[Group | None, list[Group]]:
     """The reference and the arms whose ``figure`` (a :class:`~nmtcore.sweep.results.Group`'s seed → greedy
     validation BLEU) has a seed the reference's tested model has too; no arms without such a reference."""
     ref = report.reference

@@ -521,17 +521,21 @@ GAIN = "tested_minus/"  # the derived figure's prefix: tested − switch, greedy
 BERT_OFF_SWITCHES = ("bert_off", "nmt_only")
 
 
+def _valid_bleu_under(metrics: Mapping[str, float], switches: tuple[str, ...]) -> float | None:
+    """One run's greedy validation BLEU under the first of ``switches`` it logged; None where it logged none."""
+    return next((metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}"] for s in switches
+                 if f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}" in metrics), None)
+
+
 def tested_valid_bleu(metrics: Mapping[str, float]) -> float | None:
     """One run's greedy validation BLEU of the weights it tested (its diagnostics); None where it logged none."""
-    return next((metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}"] for t in TESTED_SWITCHES
-                 if f"{DIAGNOSTICS_PREFIX}valid_bleu/{t}" in metrics), None)
+    return _valid_bleu_under(metrics, TESTED_SWITCHES)
 
 
-def bert_off_valid_bleu(metrics: Mapping[str, float]) -> tuple[str, float] | None:
-    """One run's switch that turns BERT off everywhere and its greedy validation BLEU under it: the NMT path the
-    fused model trained, alone; None where the run has no such switch."""
-    return next(((s, metrics[f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}"]) for s in BERT_OFF_SWITCHES
-                 if f"{DIAGNOSTICS_PREFIX}valid_bleu/{s}" in metrics), None)
+def bert_off_valid_bleu(metrics: Mapping[str, float]) -> float | None:
+    """One run's greedy validation BLEU with BERT switched off everywhere: the NMT path the fused model trained,
+    alone; None where the run has no such switch."""
+    return _valid_bleu_under(metrics, BERT_OFF_SWITCHES)
 
 
 def switch_gains(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -728,7 +732,7 @@ def _group(key: str, runs: list[tracking.RunRecord], varied: list[str], splits: 
             g.valid_tested[seed] = tested
         off = bert_off_valid_bleu(r.metrics)
         if off is not None:
-            g.valid_bert_off[seed] = off[1]
+            g.valid_bert_off[seed] = off
         for name in extra:
             if name in r.metrics:  # the run's last logged value
                 g.extra.setdefault(name, []).append(r.metrics[name])
